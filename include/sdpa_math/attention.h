@@ -1,0 +1,83 @@
+// The sdpa_math entry points: attention forward returning the output O, the probability map P
+// and the row log-sum-exp, and the backward through both O and P.
+// Semantics: shared/docs/contract.md (the contract of aten::_scaled_dot_product_attention_math).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#include "sdpa_math/error.h"
+#include "sdpa_math/tensor_view.h"
+
+namespace sdpa_math {
+
+enum class Backend {
+  Reference,  // float64 plain loops: the mathematical authority (any float dtype in and out)
+  Cpu,        // blocked, multi-threaded, fp32 accumulation (float64 inputs go to Reference)
+  Cuda,       // the GPU path, where the build has one
+};
+const char* backend_name(Backend b);
+bool backend_available(Backend b);
+
+struct AttentionOptions {
+  std::optional<double> scale;  // default 1/sqrt(E)
+  double dropout_p = 0.0;
+  bool is_causal = false;
+  bool enable_gqa = false;
+  // Random dropout (dropout_p > 0 and no dropout_mask) draws element n of P from the
+  // counter-based stream (seed, offset): see sdpa_math/dropout_rng.h. Same seed and offset in
+  // forward and backward give the same mask, on every backend.
+  uint64_t seed = 0;
+  uint64_t offset = 0;
+};
+
+struct ForwardArgs {
+  TensorView query;  // (*batch, Hq, L, E)
+  TensorView key;    // (*batch, Hkv, S, E)
+  TensorView value;  // (*batch, Hkv, S, Ev)
+  std::optional<TensorView> attn_mask;     // bool (True = attend) or float, broadcast to P
+  std::optional<TensorView> dropout_mask;  // used only when dropout_p > 0
+  AttentionOptions options;
+};
+
+// Shapes of what forward returns; computing them validates the inputs.
+struct ForwardShapes {
+  Shape output;     // (*batch, Hq, L, Ev)
+  Shape attn_probs; // (*batch, Hq, L, S)
+  Shape logsumexp;  // (*batch, Hq, L)
+};
+
+struct ForwardOutputs {
+  TensorView output;      // any floating dtype (the binding passes the query's)
+  TensorView attn_probs;  // any floating dtype
+  TensorView logsumexp;   // float32 or float64; -inf on fully masked rows
+};
+
+struct BackwardArgs {
+  ForwardArgs forward;  // the same inputs and options as the forward
+  TensorView logsumexp; // what the forward returned
+  std::optional<TensorView> grad_output;  // dL/dO, shape of O; absent = zero
+  std::optional<TensorView> grad_probs;   // dL/dP, shape of P; absent = zero
+};
+
+// Each gradient is written only where a view is given. grad_attn_mask has the mask's own shape
+// (the gradient summed over the dims the mask was broadcast along) and needs a float mask.
+struct BackwardOutputs {
+  std::optional<TensorView> grad_query;
+  std::optional<TensorView> grad_key;
+  std::optional<TensorView> grad_value;
+  std::optional<TensorView> grad_attn_mask;
+};
+
+// Validates the inputs (throws sdpa_math::Error naming the problem) and returns output shapes.
+ForwardShapes forward_shapes(const ForwardArgs& args);
+
+// Validate everything first, then compute. Nothing is written when validation fails.
+void forward(Backend backend, const ForwardArgs& args, const ForwardOutputs& out);
+void backward(Backend backend, const BackwardArgs& args, const BackwardOutputs& out);
+
+// Threads used by the CPU backend (0 = OpenMP's default).
+void set_cpu_threads(int n);
+int cpu_threads();
+
+}  // namespace sdpa_math

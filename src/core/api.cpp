@@ -1,0 +1,54 @@
+// The entry points: validate once (src/core/validate.cpp), then hand the normalized problem to a
+// backend. Float64 inputs on the CPU backend go to the reference, which computes in float64.
+#include "../cpu/kernels.h"
+#include "../reference/reference.h"
+#include "problem.h"
+
+namespace sdpa_math {
+namespace {
+
+void check_backend(Backend b, const core::Problem& p) {
+  if (!backend_available(b))
+    throw Error(ErrorCode::BackendUnavailable, std::string("the ") + backend_name(b) + " backend is not in this build");
+  const bool wants_cuda = b == Backend::Cuda;
+  if ((p.device.type == DeviceType::CUDA) != wants_cuda)
+    throw Error(ErrorCode::DeviceMismatch, std::string("the ") + backend_name(b) + " backend cannot run tensors on " +
+                                               device_name(p.device));
+}
+
+}  // namespace
+
+const char* backend_name(Backend b) {
+  switch (b) {
+    case Backend::Reference: return "reference";
+    case Backend::Cpu: return "cpu";
+    case Backend::Cuda: return "cuda";
+  }
+  return "unknown";
+}
+
+bool backend_available(Backend b) { return b != Backend::Cuda; }
+
+ForwardShapes forward_shapes(const ForwardArgs& args) { return core::make_problem(args).shapes; }
+
+void forward(Backend backend, const ForwardArgs& args, const ForwardOutputs& out) {
+  const core::Problem p = core::make_problem(args);
+  core::check_forward_outputs(p, out);
+  check_backend(backend, p);
+  if (backend == Backend::Reference || p.dtype == DType::Float64)
+    reference::forward(p, out);
+  else
+    cpu::forward(p, out);
+}
+
+void backward(Backend backend, const BackwardArgs& args, const BackwardOutputs& out) {
+  const core::Problem p = core::make_problem(args.forward);
+  core::check_backward(p, args, out);
+  check_backend(backend, p);
+  if (backend == Backend::Reference || p.dtype == DType::Float64)
+    reference::backward(p, args, out);
+  else
+    cpu::backward(p, args, out);
+}
+
+}  // namespace sdpa_math

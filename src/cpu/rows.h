@@ -1,0 +1,57 @@
+// The contract's rules as the CPU kernels apply them, one query row at a time. Forward and
+// backward both call these, so each rule (mask, causal, softmax, dropout) is written once here.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "../core/problem.h"
+
+namespace sdpa_math::cpu {
+
+// Strided elements of any floating (or bool) dtype to fp32, and back.
+void load_row(DType dtype, const char* base, int64_t offset, int64_t stride, int64_t n, float* out);
+void store_row(DType dtype, char* base, int64_t offset, int64_t stride, int64_t n, const float* in);
+void store_zeros(DType dtype, char* base, int64_t offset, int64_t stride, int64_t n);
+
+// exp for the softmax: |relative error| < 2e-7 for x in [-87, 88]; 0 below (so -inf gives 0).
+void exp_rows(float* x, int64_t n);
+
+// The per-head state of one query row i: what the mask adds, which columns causal allows.
+struct RowContext {
+  const core::Problem& p;
+  int64_t lead;
+  int64_t mask_base = 0, dmask_base = 0;
+  RowContext(const core::Problem& problem, int64_t lead_index);
+
+  // Number of keys row i may attend to at all (causal: i + 1, top-left aligned).
+  int64_t visible(int64_t i) const;
+  // scores[0..n) (already scale * q.k) become the masked logits: + float mask, bool False and
+  // causal-hidden entries -inf (contract §3-§5). `tmp` holds n floats.
+  void mask_scores(int64_t i, float* scores, int64_t n, float* tmp) const;
+  // keep[0..n) = the dropout keep mask of row i as 0/1 (contract §8, §9); all ones without dropout.
+  void keep_row(int64_t i, float* keep, int64_t n) const;
+};
+
+// Softmax of one row of logits in place; returns the log-sum-exp (-inf when every logit is
+// -inf, and then the row is all zeros: contract §6).
+float softmax_row(float* x, int64_t n);
+
+// Softmax recomputed from a stored log-sum-exp: x = exp(x - lse), zeros when lse = -inf.
+void probs_from_lse(float* x, int64_t n, float lse);
+
+// Threads to use for `tasks` independent tasks.
+int threads_for(int64_t tasks);
+
+// One head's key and value, converted to fp32 in the layouts the tile products want, cached
+// while consecutive tasks of a thread stay on the same head.
+struct HeadPack {
+  int64_t key_at = -1, value_at = -1;
+  std::vector<float> key_t;    // (E, S): B operand of S = Q K^T
+  std::vector<float> key;      // (S, E): B operand of dQ = dS K      (backward only)
+  std::vector<float> value;    // (S, Ev): B operand of O = W V       (forward only)
+  std::vector<float> value_t;  // (Ev, S): B operand of G = dO V^T    (backward only)
+  void pack(const core::Problem& p, int64_t lead, bool for_backward);
+};
+
+}  // namespace sdpa_math::cpu

@@ -1,0 +1,170 @@
+#include "reference.h"
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "../core/element.h"
+#include "sdpa_math/dropout_rng.h"
+
+namespace sdpa_math::reference {
+namespace {
+
+using core::DropoutMode;
+using core::Operand;
+using core::Problem;
+
+constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+
+double at(const Operand& op, int64_t base, int64_t row, int64_t col) {
+  return core::load_as_double(op.dtype, op.data, base + row * op.row_stride + col * op.col_stride);
+}
+
+// One query row of one head: the softmax A before dropout, the keep mask M, the returned P and
+// the matrix W that multiplies V (contract §8, §9, §11).
+struct Row {
+  std::vector<double> A, keep, P, W;
+  double lse = kNegInf;
+};
+
+struct HeadOffsets {
+  int64_t q, k, v, mask, dmask;
+};
+
+HeadOffsets head_offsets(const Problem& p, int64_t lead) {
+  HeadOffsets h{core::lead_offset(p, p.query, lead), core::lead_offset(p, p.key, lead),
+                core::lead_offset(p, p.value, lead), 0, 0};
+  if (p.attn_mask.present()) h.mask = core::lead_offset(p, p.attn_mask, lead);
+  if (p.dropout_mask.present()) h.dmask = core::lead_offset(p, p.dropout_mask, lead);
+  return h;
+}
+
+void compute_row(const Problem& p, int64_t lead, const HeadOffsets& h, int64_t i, Row& r) {
+  const int64_t S = p.S;
+  r.A.assign(S, 0.0);
+  r.keep.assign(S, 1.0);
+  r.P.assign(S, 0.0);
+  r.W.assign(S, 0.0);
+  std::vector<double> s(S);
+  double m = kNegInf;
+  for (int64_t j = 0; j < S; ++j) {
+    double dot = 0.0;
+    for (int64_t e = 0; e < p.E; ++e) dot += at(p.query, h.q, i, e) * at(p.key, h.k, j, e);
+    double score = p.scale * dot;
+    if (p.is_causal && j > i) score = kNegInf;  // top-left aligned (§3)
+    if (p.attn_mask.present()) {
+      double mv = at(p.attn_mask, h.mask, i, j);
+      if (p.mask_is_bool)
+        score = mv != 0.0 ? score : kNegInf;  // True = attend (§5)
+      else
+        score += mv;  // (§4)
+    }
+    s[j] = score;
+    if (score > m) m = score;
+  }
+  if (m == kNegInf) {  // fully masked (or S = 0): P = O = 0 (§6)
+    r.lse = kNegInf;
+  } else {
+    double sum = 0.0;
+    for (int64_t j = 0; j < S; ++j) sum += std::exp(s[j] - m);
+    for (int64_t j = 0; j < S; ++j) r.A[j] = std::exp(s[j] - m) / sum;
+    r.lse = m + std::log(sum);
+  }
+  const double c = p.keep_scale();
+  const uint32_t threshold = dropout_threshold(p.dropout_p);
+  for (int64_t j = 0; j < S; ++j) {
+    switch (p.dropout) {
+      case DropoutMode::None:
+        r.P[j] = r.W[j] = r.A[j];
+        break;
+      case DropoutMode::ExplicitMask:
+        r.keep[j] = at(p.dropout_mask, h.dmask, i, j) != 0.0 ? 1.0 : 0.0;
+        r.P[j] = r.A[j] * r.keep[j];
+        r.W[j] = c * r.P[j];
+        break;
+      case DropoutMode::Random: {
+        uint64_t n = static_cast<uint64_t>((lead * p.L + i) * S + j);
+        r.keep[j] = dropout_keep(p.seed, p.offset, n, threshold) ? 1.0 : 0.0;
+        r.P[j] = r.W[j] = r.keep[j] != 0.0 ? c * r.A[j] : 0.0;
+        break;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void forward(const Problem& p, const ForwardOutputs& out) {
+  const Operand O = core::output_operand(p, out.output, true);
+  const Operand P = core::output_operand(p, out.attn_probs, true);
+  const Operand lse = core::output_operand(p, out.logsumexp, false);
+  Row r;
+  for (int64_t lead = 0; lead < p.num_lead; ++lead) {
+    const HeadOffsets h = head_offsets(p, lead);
+    const int64_t o_base = core::lead_offset(p, O, lead), p_base = core::lead_offset(p, P, lead),
+                  l_base = core::lead_offset(p, lse, lead);
+    for (int64_t i = 0; i < p.L; ++i) {
+      compute_row(p, lead, h, i, r);
+      for (int64_t j = 0; j < p.S; ++j)
+        core::store_from_double(P.dtype, out.attn_probs.data, p_base + i * P.row_stride + j * P.col_stride, r.P[j]);
+      for (int64_t e = 0; e < p.Ev; ++e) {
+        double acc = 0.0;
+        for (int64_t j = 0; j < p.S; ++j) acc += r.W[j] * at(p.value, h.v, j, e);
+        core::store_from_double(O.dtype, out.output.data, o_base + i * O.row_stride + e * O.col_stride, acc);
+      }
+      core::store_from_double(lse.dtype, out.logsumexp.data, l_base + i * lse.row_stride, r.lse);
+    }
+  }
+}
+
+void backward(const Problem& p, const BackwardArgs& args, const BackwardOutputs& out) {
+  const bool has_dO = args.grad_output.has_value(), has_dP = args.grad_probs.has_value();
+  const Operand dO = has_dO ? core::output_operand(p, *args.grad_output, true) : Operand{};
+  const Operand dP = has_dP ? core::output_operand(p, *args.grad_probs, true) : Operand{};
+  std::vector<double> gq(p.query.own_shape.numel()), gk(p.key.own_shape.numel()), gv(p.value.own_shape.numel());
+  std::vector<double> gm(out.grad_attn_mask ? p.attn_mask.own_shape.numel() : 0);
+  const double c = p.keep_scale();
+  Row r;
+  std::vector<double> dA(p.S), dS(p.S);
+  for (int64_t lead = 0; lead < p.num_lead; ++lead) {
+    const HeadOffsets h = head_offsets(p, lead);
+    const int64_t dq0 = core::dense_lead_offset(p, p.query, lead), dk0 = core::dense_lead_offset(p, p.key, lead),
+                  dv0 = core::dense_lead_offset(p, p.value, lead);
+    const int64_t dm0 = gm.empty() ? 0 : core::dense_lead_offset(p, p.attn_mask, lead);
+    const int64_t dO0 = has_dO ? core::lead_offset(p, dO, lead) : 0, dP0 = has_dP ? core::lead_offset(p, dP, lead) : 0;
+    for (int64_t i = 0; i < p.L; ++i) {
+      compute_row(p, lead, h, i, r);
+      // dA per the table of contract §11, with G = dO V^T.
+      double delta = 0.0;
+      for (int64_t j = 0; j < p.S; ++j) {
+        double G = 0.0;
+        if (has_dO)
+          for (int64_t e = 0; e < p.Ev; ++e) G += at(dO, dO0, i, e) * at(p.value, h.v, j, e);
+        double gP = has_dP ? at(dP, dP0, i, j) : 0.0;
+        switch (p.dropout) {
+          case DropoutMode::None: dA[j] = G + gP; break;
+          case DropoutMode::ExplicitMask: dA[j] = r.keep[j] * (c * G + gP); break;
+          case DropoutMode::Random: dA[j] = c * r.keep[j] * (G + gP); break;
+        }
+        delta += r.A[j] * dA[j];
+      }
+      for (int64_t j = 0; j < p.S; ++j) dS[j] = r.A[j] * (dA[j] - delta);
+      for (int64_t j = 0; j < p.S; ++j) {
+        if (!gm.empty()) gm[dm0 + i * p.attn_mask.dense_row_stride + j * p.attn_mask.dense_col_stride] += dS[j];
+        for (int64_t e = 0; e < p.E; ++e) {
+          gq[dq0 + i * p.query.dense_row_stride + e] += p.scale * dS[j] * at(p.key, h.k, j, e);
+          gk[dk0 + j * p.key.dense_row_stride + e] += p.scale * dS[j] * at(p.query, h.q, i, e);
+        }
+        if (has_dO)
+          for (int64_t e = 0; e < p.Ev; ++e)
+            gv[dv0 + j * p.value.dense_row_stride + e] += r.W[j] * at(dO, dO0, i, e);
+      }
+    }
+  }
+  if (out.grad_query) core::write_dense(gq.data(), *out.grad_query);
+  if (out.grad_key) core::write_dense(gk.data(), *out.grad_key);
+  if (out.grad_value) core::write_dense(gv.data(), *out.grad_value);
+  if (out.grad_attn_mask) core::write_dense(gm.data(), *out.grad_attn_mask);
+}
+
+}  // namespace sdpa_math::reference

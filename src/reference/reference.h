@@ -1,0 +1,12 @@
+// The float64 reference: every rule of contract.md written as plain loops, one element at a time.
+// Slow and obviously right; the CPU and CUDA backends are tested against it.
+#pragma once
+
+#include "../core/problem.h"
+
+namespace sdpa_math::reference {
+
+void forward(const core::Problem& p, const ForwardOutputs& out);
+void backward(const core::Problem& p, const BackwardArgs& args, const BackwardOutputs& out);
+
+}  // namespace sdpa_math::reference
