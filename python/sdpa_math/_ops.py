@@ -1,0 +1,75 @@
+"""Loads the compiled ops (torch.ops.sdpa_math.*) and registers what PyTorch needs around them:
+fake kernels for torch.compile, and autograd through both outputs O and P."""
+from __future__ import annotations
+
+import pathlib
+
+import torch
+
+_LIB = pathlib.Path(__file__).with_name("_C.so")
+if not _LIB.exists():  # pragma: no cover - a broken install
+    raise ImportError(f"sdpa_math: the compiled extension {_LIB} is missing; reinstall with `pip install .`")
+torch.ops.load_library(str(_LIB))
+
+ops = torch.ops.sdpa_math
+
+
+def _lead_shape(query, key, value, enable_gqa):
+    """The output's leading dims (*batch, Hq): matmul broadcasting, GQA heads taking the query's."""
+    ql, kl, vl = list(query.shape[:-2]), list(key.shape[:-2]), list(value.shape[:-2])
+    if enable_gqa and query.dim() >= 3 and key.dim() >= 3 and value.dim() >= 3:
+        kl[-1] = ql[-1]
+        vl[-1] = ql[-1]
+    return torch.broadcast_shapes(tuple(ql), tuple(kl), tuple(vl))
+
+
+@torch.library.register_fake("sdpa_math::forward")
+def _forward_fake(query, key, value, attn_mask, dropout_p, is_causal, dropout_mask, scale, enable_gqa, seed, offset):
+    lead = _lead_shape(query, key, value, enable_gqa)
+    L, S, Ev = query.shape[-2], key.shape[-2], value.shape[-1]
+    return (
+        query.new_empty((*lead, L, Ev)),
+        query.new_empty((*lead, L, S)),
+        query.new_empty((*lead, L), dtype=torch.float32),
+    )
+
+
+@torch.library.register_fake("sdpa_math::backward")
+def _backward_fake(grad_output, grad_probs, query, key, value, attn_mask, logsumexp, dropout_p, is_causal,
+                   dropout_mask, scale, enable_gqa, seed, offset, output_mask):
+    # Gradients not asked for come back as empty (0,) tensors (see csrc/binding.cpp).
+    mask_grad = output_mask[3] and attn_mask is not None and attn_mask.is_floating_point()
+    return (
+        query.new_empty(query.shape if output_mask[0] else (0,)),
+        key.new_empty(key.shape if output_mask[1] else (0,)),
+        value.new_empty(value.shape if output_mask[2] else (0,)),
+        attn_mask.new_empty(attn_mask.shape) if mask_grad else query.new_empty((0,)),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    query, key, value, attn_mask, dropout_p, is_causal, dropout_mask, scale, enable_gqa, seed, offset = inputs
+    _, _, lse = output
+    ctx.save_for_backward(query, key, value, attn_mask, dropout_mask, lse)
+    ctx.options = (dropout_p, is_causal, scale, enable_gqa, seed, offset)
+    ctx.mark_non_differentiable(lse)
+    # An output that did not reach the loss gets None, not a tensor of zeros: no L x S zeros
+    # for dP when only O was used.
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, grad_output, grad_probs, _grad_lse):
+    query, key, value, attn_mask, dropout_mask, lse = ctx.saved_tensors
+    dropout_p, is_causal, scale, enable_gqa, seed, offset = ctx.options
+    need = ctx.needs_input_grad
+    mask_grad = bool(need[3] and attn_mask is not None and attn_mask.is_floating_point())
+    if grad_output is None and grad_probs is None:
+        return (None,) * 11
+    wanted = [bool(need[0]), bool(need[1]), bool(need[2]), mask_grad]
+    grads = ops.backward(grad_output, grad_probs, query, key, value, attn_mask, lse, dropout_p, is_causal,
+                         dropout_mask, scale, enable_gqa, seed, offset, wanted)
+    gq, gk, gv, gm = (g if w else None for g, w in zip(grads, wanted))
+    return gq, gk, gv, gm, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("sdpa_math::forward", _backward, setup_context=_setup_context)

@@ -1,0 +1,154 @@
+// The PyTorch binding: every sdpa_math op's schema, and the CPU kernels that turn at::Tensors into
+// core tensor views. Autograd, fake kernels and the aten override live in Python (python/sdpa_math).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <array>
+#include <optional>
+#include <tuple>
+
+#include "sdpa_math/attention.h"
+
+namespace {
+
+using sdpa_math::DType;
+
+DType to_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kHalf: return DType::Float16;
+    case at::kBFloat16: return DType::BFloat16;
+    case at::kFloat: return DType::Float32;
+    case at::kDouble: return DType::Float64;
+    case at::kBool: return DType::Bool;
+    case at::kByte: return DType::UInt8;
+    case at::kChar: return DType::Int8;
+    case at::kShort: return DType::Int16;
+    case at::kInt: return DType::Int32;
+    case at::kLong: return DType::Int64;
+    case at::kFloat8_e4m3fn: return DType::Float8_e4m3fn;
+    case at::kFloat8_e5m2: return DType::Float8_e5m2;
+    default:
+      TORCH_CHECK(false, "sdpa_math: unsupported dtype ", t, "; sdpa_math supports float16, bfloat16, float32 and float64");
+  }
+}
+
+sdpa_math::TensorView view_of(const at::Tensor& t) {
+  TORCH_CHECK(t.dim() <= sdpa_math::kMaxDims, "sdpa_math supports at most ", sdpa_math::kMaxDims, " dims, got ", t.dim());
+  sdpa_math::TensorView v;
+  v.data = t.numel() > 0 ? const_cast<void*>(t.data_ptr()) : nullptr;
+  v.dtype = to_dtype(t.scalar_type());
+  v.shape.ndim = static_cast<int>(t.dim());
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    v.shape.dims[d] = t.size(d);
+    v.strides[d] = t.stride(d);
+  }
+  v.device = t.is_cuda() ? sdpa_math::Device{sdpa_math::DeviceType::CUDA, t.get_device()} : sdpa_math::Device{};
+  return v;
+}
+
+std::optional<sdpa_math::TensorView> view_of(const std::optional<at::Tensor>& t) {
+  if (!t || !t->defined()) return std::nullopt;
+  return view_of(*t);
+}
+
+std::vector<int64_t> dims(const sdpa_math::Shape& s) { return std::vector<int64_t>(s.dims, s.dims + s.ndim); }
+
+sdpa_math::ForwardArgs forward_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    const std::optional<at::Tensor>& mask, double dropout_p, bool is_causal,
+                                    const std::optional<at::Tensor>& dropout_mask, std::optional<double> scale,
+                                    bool enable_gqa, int64_t seed, int64_t offset) {
+  sdpa_math::ForwardArgs a;
+  a.query = view_of(q);
+  a.key = view_of(k);
+  a.value = view_of(v);
+  a.attn_mask = view_of(mask);
+  a.dropout_mask = view_of(dropout_mask);
+  a.options.scale = scale;
+  a.options.dropout_p = dropout_p;
+  a.options.is_causal = is_causal;
+  a.options.enable_gqa = enable_gqa;
+  a.options.seed = static_cast<uint64_t>(seed);
+  a.options.offset = static_cast<uint64_t>(offset);
+  return a;
+}
+
+// The core reports bad input as sdpa_math::Error before writing anything; PyTorch users get it
+// as a RuntimeError with the same message.
+template <class Fn>
+auto checked(Fn&& fn) -> decltype(fn()) {
+  try {
+    return fn();
+  } catch (const sdpa_math::Error& e) {
+    TORCH_CHECK(false, e.what());
+  }
+}
+
+sdpa_math::Backend backend_for(const at::Tensor& q) {
+  if (q.is_cuda()) return sdpa_math::Backend::Cuda;
+  sdpa_math::set_cpu_threads(at::get_num_threads());  // follow torch.set_num_threads
+  return sdpa_math::Backend::Cpu;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_kernel(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask,
+    double dropout_p, bool is_causal, const std::optional<at::Tensor>& dropout_mask, std::optional<double> scale,
+    bool enable_gqa, int64_t seed, int64_t offset) {
+  return checked([&] {
+    const sdpa_math::ForwardArgs a = forward_args(q, k, v, mask, dropout_p, is_causal, dropout_mask, scale, enable_gqa, seed, offset);
+    const sdpa_math::ForwardShapes s = sdpa_math::forward_shapes(a);
+    at::Tensor out = at::empty(dims(s.output), q.options());
+    at::Tensor probs = at::empty(dims(s.attn_probs), q.options());
+    at::Tensor lse = at::empty(dims(s.logsumexp), q.options().dtype(at::kFloat));
+    sdpa_math::forward(backend_for(q), a, {view_of(out), view_of(probs), view_of(lse)});
+    return std::make_tuple(out, probs, lse);
+  });
+}
+
+// Returns (grad_query, grad_key, grad_value, grad_attn_mask); a gradient not asked for by
+// `output_mask` (or a mask gradient without a float mask) comes back as an empty tensor of
+// shape (0,): custom-op schemas cannot return optional tensors.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_kernel(
+    const std::optional<at::Tensor>& grad_output, const std::optional<at::Tensor>& grad_probs, const at::Tensor& q,
+    const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask, const at::Tensor& logsumexp,
+    double dropout_p, bool is_causal, const std::optional<at::Tensor>& dropout_mask, std::optional<double> scale,
+    bool enable_gqa, int64_t seed, int64_t offset, std::array<bool, 4> output_mask) {
+  return checked([&] {
+    sdpa_math::BackwardArgs a;
+    a.forward = forward_args(q, k, v, mask, dropout_p, is_causal, dropout_mask, scale, enable_gqa, seed, offset);
+    a.logsumexp = view_of(logsumexp);
+    a.grad_output = view_of(grad_output);
+    a.grad_probs = view_of(grad_probs);
+    at::Tensor gq, gk, gv, gm;
+    sdpa_math::BackwardOutputs out;
+    if (output_mask[0]) { gq = at::empty_like(q, at::MemoryFormat::Contiguous); out.grad_query = view_of(gq); }
+    if (output_mask[1]) { gk = at::empty_like(k, at::MemoryFormat::Contiguous); out.grad_key = view_of(gk); }
+    if (output_mask[2]) { gv = at::empty_like(v, at::MemoryFormat::Contiguous); out.grad_value = view_of(gv); }
+    if (output_mask[3] && mask && mask->defined() && mask->is_floating_point()) {
+      gm = at::empty_like(*mask, at::MemoryFormat::Contiguous);
+      out.grad_attn_mask = view_of(gm);
+    }
+    sdpa_math::backward(backend_for(q), a, out);
+    auto or_empty = [&](const at::Tensor& t) { return t.defined() ? t : at::empty({0}, q.options()); };
+    return std::make_tuple(or_empty(gq), or_empty(gk), or_empty(gv), or_empty(gm));
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(sdpa_math, m) {
+  m.def(
+      "forward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, float dropout_p, bool is_causal, "
+      "Tensor? dropout_mask, float? scale, bool enable_gqa, int seed, int offset) "
+      "-> (Tensor output, Tensor attn_probs, Tensor logsumexp)");
+  m.def(
+      "backward(Tensor? grad_output, Tensor? grad_probs, Tensor query, Tensor key, Tensor value, Tensor? attn_mask, "
+      "Tensor logsumexp, float dropout_p, bool is_causal, Tensor? dropout_mask, float? scale, bool enable_gqa, "
+      "int seed, int offset, bool[4] output_mask) "
+      "-> (Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_attn_mask)");
+}
+
+TORCH_LIBRARY_IMPL(sdpa_math, CPU, m) {
+  m.impl("forward", &forward_kernel);
+  m.impl("backward", &backward_kernel);
+}

@@ -1,0 +1,105 @@
+"""Autograd through O and P: float64 gradcheck, and random dropout's reproducibility."""
+import pytest
+import torch
+
+import sdpa_math
+
+torch.manual_seed(0)
+
+
+def _inputs(B=1, Hq=2, Hkv=2, L=4, S=5, E=3, Ev=2, transposed=False):
+    def t(*shape):
+        x = torch.randn(*shape, dtype=torch.float64)
+        if transposed:
+            x = x.transpose(-1, -2).contiguous().transpose(-1, -2)
+        return x.requires_grad_(True)
+    return t(B, Hq, L, E), t(B, Hkv, S, E), t(B, Hkv, S, Ev)
+
+
+GRADCHECKS = {
+    "plain_O_and_P": dict(),
+    "dP_only": dict(only_probs=True),
+    "dO_only": dict(only_output=True),
+    "float_mask_requires_grad": dict(mask="float"),
+    "float_mask_broadcast_requires_grad": dict(mask="float_pad"),
+    "bool_mask_fully_masked_row": dict(mask="bool_rows"),
+    "causal": dict(causal=True),
+    "gqa": dict(Hq=4, Hkv=2, gqa=True),
+    "explicit_dropout": dict(dropout="explicit"),
+    "random_dropout_fixed_stream": dict(dropout="random"),
+    "noncontiguous": dict(transposed=True),
+}
+
+
+@pytest.mark.parametrize("name", list(GRADCHECKS))
+def test_gradcheck(name):
+    cfg = dict(GRADCHECKS[name])
+    only_probs, only_output = cfg.pop("only_probs", False), cfg.pop("only_output", False)
+    mask_kind, causal, gqa, dropout = cfg.pop("mask", None), cfg.pop("causal", False), cfg.pop("gqa", False), cfg.pop("dropout", None)
+    q, k, v = _inputs(**cfg)
+    L, S = q.shape[-2], k.shape[-2]
+    inputs = [q, k, v]
+    mask = None
+    if mask_kind == "float":
+        mask = torch.randn(1, q.shape[1], L, S, dtype=torch.float64, requires_grad=True)
+    elif mask_kind == "float_pad":
+        mask = torch.randn(1, 1, 1, S, dtype=torch.float64, requires_grad=True)
+    elif mask_kind == "bool_rows":
+        mask = torch.rand(L, S) < 0.7
+        mask[1] = False
+    if mask is not None and mask.requires_grad:
+        inputs.append(mask)
+    dmask = torch.rand(1, q.shape[1], L, S) < 0.7 if dropout == "explicit" else None
+    p = 0.3 if dropout else 0.0
+
+    def fn(q, k, v, *m):
+        m = m[0] if m else mask
+        out, probs, _ = sdpa_math.attention_with_lse(q, k, v, m, p, causal, dmask, enable_gqa=gqa, seed=123, offset=4)
+        if only_probs:
+            return probs
+        if only_output:
+            return out
+        return out, probs
+
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+def test_random_dropout_reproducible_under_manual_seed():
+    q, k, v = _inputs(L=16, S=24, E=8, Ev=8)
+    torch.manual_seed(7)
+    o1, p1 = sdpa_math.attention(q, k, v, dropout_p=0.4)
+    torch.manual_seed(7)
+    o2, p2 = sdpa_math.attention(q, k, v, dropout_p=0.4)
+    o3, p3 = sdpa_math.attention(q, k, v, dropout_p=0.4)  # the generator moved on
+    assert torch.equal(p1, p2) and torch.equal(o1, o2)
+    assert not torch.equal(p1, p3)
+    kept = (p1 != 0).double().mean().item()
+    assert 0.45 < kept < 0.75  # 768 draws at keep 0.6
+
+
+def test_random_dropout_backward_uses_the_forward_mask():
+    """Random dropout: O = c (A*M) V. The same O comes from an explicit mask M (recovered from P)
+    with the same p, so the gradients of sum(O * g) must agree: backward replayed the mask."""
+    q, k, v = _inputs(L=16, S=24, E=8, Ev=8)
+    g = torch.randn(1, 2, 16, 8, dtype=torch.float64)
+    torch.manual_seed(3)
+    out, probs = sdpa_math.attention(q, k, v, dropout_p=0.4)
+    grads_random = torch.autograd.grad((out * g).sum(), (q, k, v))
+    keep = probs.detach() != 0
+    out2, _ = sdpa_math.attention(q, k, v, dropout_p=0.4, dropout_mask=keep)
+    grads_explicit = torch.autograd.grad((out2 * g).sum(), (q, k, v))
+    torch.testing.assert_close(out, out2)
+    for a, b in zip(grads_random, grads_explicit):
+        torch.testing.assert_close(a, b)
+
+
+def test_no_grad_and_inference_mode_save_nothing():
+    q, k, v = _inputs()
+    with torch.no_grad():
+        out, probs = sdpa_math.attention(q, k, v)
+    assert out.grad_fn is None and probs.grad_fn is None
+    with torch.inference_mode():
+        out, probs = sdpa_math.attention(q, k, v)
+    assert out.grad_fn is None and not out.requires_grad
+    out, probs = sdpa_math.attention(q, k, v)
+    assert out.grad_fn is not None and probs.grad_fn is not None

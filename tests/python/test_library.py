@@ -1,0 +1,91 @@
+"""torch.library.opcheck on the ops, torch.compile(fullgraph=True) against eager, and bad input
+reaching Python with the core's message."""
+import pytest
+import torch
+
+import sdpa_math
+
+ops = torch.ops.sdpa_math
+
+
+def _qkv(dtype=torch.float32, requires_grad=False, Hkv=2):
+    q = torch.randn(2, 4, 6, 8, dtype=dtype, requires_grad=requires_grad)
+    k = torch.randn(2, Hkv, 7, 8, dtype=dtype, requires_grad=requires_grad)
+    v = torch.randn(2, Hkv, 7, 8, dtype=dtype, requires_grad=requires_grad)
+    return q, k, v
+
+
+@pytest.mark.parametrize("variant", ["plain", "float_mask_grad", "gqa_causal", "explicit_dropout", "random_dropout"])
+def test_opcheck_forward(variant):
+    q, k, v = _qkv(requires_grad=True, Hkv=4)
+    mask, p, causal, dmask, gqa = None, 0.0, False, None, False
+    if variant == "float_mask_grad":
+        mask = torch.randn(1, 1, 6, 7, requires_grad=True)
+    if variant == "gqa_causal":
+        q, k, v = _qkv(requires_grad=True, Hkv=2)
+        causal, gqa = True, True
+    if variant == "explicit_dropout":
+        p, dmask = 0.2, torch.rand(2, 4, 6, 7) < 0.8
+    if variant == "random_dropout":
+        p = 0.2
+    torch.library.opcheck(ops.forward.default, (q, k, v, mask, p, causal, dmask, None, gqa, 11, 3))
+
+
+def test_opcheck_backward():
+    q, k, v = _qkv(Hkv=4)
+    mask = torch.randn(1, 1, 6, 7)
+    out, probs, lse = ops.forward(q, k, v, mask, 0.0, False, None, None, False, 0, 0)
+    torch.library.opcheck(ops.backward.default, (torch.randn_like(out), torch.randn_like(probs), q, k, v, mask, lse,
+                                                 0.0, False, None, None, False, 0, 0, [True, True, True, True]))
+    torch.library.opcheck(ops.backward.default, (None, torch.randn_like(probs), q, k, v, None, lse,
+                                                 0.0, False, None, None, False, 0, 0, [True, False, True, False]))
+
+
+def test_compile_fullgraph_matches_eager():
+    def fn(q, k, v, mask):
+        out, probs = sdpa_math.attention(q, k, v, mask, enable_gqa=True)
+        entropy = -(probs * torch.log(probs.clamp_min(1e-9))).sum(-1).mean()
+        return out * 2, entropy
+
+    q, k, v = _qkv(requires_grad=True)
+    mask = torch.randn(6, 7)
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    eager_out, eager_h = fn(q, k, v, mask)
+    comp_out, comp_h = compiled(q, k, v, mask)
+    torch.testing.assert_close(comp_out, eager_out, rtol=0, atol=0)
+    torch.testing.assert_close(comp_h, eager_h, rtol=0, atol=0)
+    g_eager = torch.autograd.grad(eager_out.sum() + eager_h, (q, k, v))
+    g_comp = torch.autograd.grad(comp_out.sum() + comp_h, (q, k, v))
+    for a, b in zip(g_comp, g_eager):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(Hkv=3, enable_gqa=True), "Number of heads in key and value must divide the number of heads in query"),
+    (dict(Hkv=2), "pass enable_gqa=True"),
+    (dict(causal_mask=True), "Explicit attn_mask should not be set when is_causal=True"),
+    (dict(dropout_p=1.5), "dropout probability has to be between 0 and 1, but got 1.5"),
+    (dict(mixed=True), "Expected query, key, and value to have the same dtype"),
+    (dict(mask_dtype=torch.float64), "Expected attn_mask dtype to be bool or float or to match query dtype"),
+    (dict(int_inputs=True), "query has dtype int64"),
+    (dict(rank1=True), "query must have at least 2 dimensions"),
+    (dict(dropout_mask_shape=True), "dropout_mask of shape (3, 3) does not match"),
+])
+def test_bad_input_raises_core_message(bad, message):
+    q, k, v = _qkv(Hkv=bad.get("Hkv", 4))
+    mask, causal, p, dmask = None, False, bad.get("dropout_p", 0.0), None
+    if bad.get("causal_mask"):
+        mask, causal = torch.zeros(6, 7), True
+    if bad.get("mixed"):
+        k = k.double()
+    if "mask_dtype" in bad:
+        mask = torch.zeros(6, 7, dtype=bad["mask_dtype"])
+    if bad.get("int_inputs"):
+        q, k, v = (t.long() for t in (q, k, v))
+    if bad.get("rank1"):
+        q = q[0, 0, 0]
+    if bad.get("dropout_mask_shape"):
+        p, dmask = 0.5, torch.ones(3, 3, dtype=torch.bool)
+    with pytest.raises(RuntimeError, match=None) as info:
+        sdpa_math.attention(q, k, v, mask, p, causal, dmask, enable_gqa=bad.get("enable_gqa", False))
+    assert message in str(info.value)

@@ -1,0 +1,99 @@
+"""The aten override: F.scaled_dot_product_attention under the math backend and direct aten calls
+are taken, equal sdpa_math.attention bit for bit, and disable() restores PyTorch's behaviour."""
+import gc
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import sdpa_math
+
+aten_math = torch.ops.aten._scaled_dot_product_attention_math
+
+
+@pytest.fixture(autouse=True)
+def _off_after():
+    yield
+    sdpa_math.disable()
+
+
+def _qkv(requires_grad=False):
+    g = torch.Generator().manual_seed(5)
+    return [torch.randn(2, 4, 9, 16, generator=g, requires_grad=requires_grad) for _ in range(3)]
+
+
+def test_direct_aten_call_is_taken_and_bitwise_equal():
+    q, k, v = _qkv()
+    mask = torch.randn(9, 9)
+    sdpa_math.enable()
+    before = sdpa_math.interceptions()
+    out, probs = aten_math(q, k, v, mask)
+    assert sdpa_math.interceptions() == before + 1
+    ref_out, ref_probs = sdpa_math.attention(q, k, v, mask)
+    assert torch.equal(out, ref_out) and torch.equal(probs, ref_probs)
+
+
+def test_functional_sdpa_under_math_backend_is_taken_with_grad():
+    q, k, v = _qkv(requires_grad=True)
+    sdpa_math.enable()
+    before = sdpa_math.interceptions()
+    with sdpa_kernel(SDPBackend.MATH):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert sdpa_math.interceptions() == before + 1
+    ref_out, _ = sdpa_math.attention(q, k, v, is_causal=True)
+    assert torch.equal(out, ref_out)
+    g = torch.autograd.grad(out.sum(), (q, k, v))
+    g_ref = torch.autograd.grad(ref_out.sum(), (q, k, v))
+    for a, b in zip(g, g_ref):
+        assert torch.equal(a, b)
+
+
+def test_gradients_flow_through_probs_under_override():
+    q, k, v = _qkv(requires_grad=True)
+    with sdpa_math.override():
+        out, probs = aten_math(q, k, v)
+        entropy = -(probs * probs.clamp_min(1e-12).log()).sum()
+        (gq,) = torch.autograd.grad(out.sum() + entropy, (q,))
+    # The same loss through PyTorch's own op.
+    out_n, probs_n = aten_math(q, k, v)
+    entropy_n = -(probs_n * probs_n.clamp_min(1e-12).log()).sum()
+    (gq_n,) = torch.autograd.grad(out_n.sum() + entropy_n, (q,))
+    torch.testing.assert_close(gq, gq_n, rtol=1e-4, atol=1e-5)
+
+
+def test_disable_restores_native():
+    q, k, v = _qkv()
+    bool_mask = torch.rand(9, 9) > 0.5
+    native = aten_math(q, k, v, bool_mask)  # native's quirk: adds 0/1
+    sdpa_math.enable()
+    ours = aten_math(q, k, v, bool_mask)
+    assert not torch.allclose(ours[1], native[1])  # the override really changed the semantics
+    sdpa_math.disable()
+    before = sdpa_math.interceptions()
+    again = aten_math(q, k, v, bool_mask)
+    assert sdpa_math.interceptions() == before
+    assert torch.equal(again[1], native[1]) and torch.equal(again[0], native[0])
+
+
+def test_registration_survives_garbage_collection_and_context_restores():
+    q, k, v = _qkv()
+    with sdpa_math.override():
+        gc.collect()
+        before = sdpa_math.interceptions()
+        aten_math(q, k, v)
+        assert sdpa_math.interceptions() == before + 1
+    assert not sdpa_math.is_enabled()
+    before = sdpa_math.interceptions()
+    aten_math(q, k, v)
+    assert sdpa_math.interceptions() == before
+
+
+def test_inference_mode_under_override():
+    q, k, v = _qkv(requires_grad=True)
+    sdpa_math.enable()
+    before = sdpa_math.interceptions()
+    with torch.inference_mode():
+        out, probs = aten_math(q, k, v)
+    assert sdpa_math.interceptions() == before + 1
+    assert not out.requires_grad and out.grad_fn is None
