@@ -92,26 +92,27 @@ Shape with_last_two(const Shape& lead, int64_t rows, int64_t cols) {
 
 }  // namespace
 
-int64_t lead_offset(const Problem& p, const Operand& op, int64_t lead) {
+namespace {
+// Unravels a lead index over the output's lead dims and applies one set of strides; on the head
+// dim (the last lead dim) the coordinate is divided by the operand's GQA group.
+int64_t unravel(const Problem& p, const int64_t* strides, int64_t group, int64_t lead) {
   int64_t off = 0;
   for (int d = p.lead_ndim - 1; d >= 0; --d) {
     int64_t c = lead % p.lead_shape[d];
     lead /= p.lead_shape[d];
-    if (d == p.lead_ndim - 1) c /= op.head_group;
-    off += c * op.lead_strides[d];
+    if (d == p.lead_ndim - 1) c /= group;
+    off += c * strides[d];
   }
   return off;
 }
+}  // namespace
+
+int64_t lead_offset(const Problem& p, const Operand& op, int64_t lead) {
+  return unravel(p, op.lead_strides, op.head_group, lead);
+}
 
 int64_t dense_lead_offset(const Problem& p, const Operand& op, int64_t lead) {
-  int64_t off = 0;
-  for (int d = p.lead_ndim - 1; d >= 0; --d) {
-    int64_t c = lead % p.lead_shape[d];
-    lead /= p.lead_shape[d];
-    if (d == p.lead_ndim - 1) c /= op.head_group;
-    off += c * op.dense_lead_strides[d];
-  }
-  return off;
+  return unravel(p, op.dense_lead_strides, op.head_group, lead);
 }
 
 Operand output_operand(const Problem& p, const TensorView& v, bool has_cols) {
@@ -260,8 +261,8 @@ Problem make_problem(const ForwardArgs& a) {
 
 namespace {
 
-void check_view(const TensorView& v, const char* name, const Shape& expected, bool float_only_32_64,
-                const Problem& p, Device dev, ErrorCode code) {
+void check_view(const TensorView& v, const char* name, const Shape& expected, bool float_only_32_64, Device dev,
+                ErrorCode code) {
   if (v.shape != expected)
     fail(code, name, " has shape ", v.shape.str(), ", expected ", expected.str());
   bool ok_dtype = float_only_32_64 ? (v.dtype == DType::Float32 || v.dtype == DType::Float64) : is_floating(v.dtype);
@@ -271,30 +272,29 @@ void check_view(const TensorView& v, const char* name, const Shape& expected, bo
   if (v.device != dev)
     fail(ErrorCode::DeviceMismatch, name, " is on ", device_name(v.device), " but the inputs are on ", device_name(dev));
   if (v.numel() > 0 && v.data == nullptr) fail(code, name, " has no data pointer");
-  (void)p;
 }
 
 }  // namespace
 
 void check_forward_outputs(const Problem& p, const ForwardOutputs& out) {
   const Device dev = p.device;
-  check_view(out.output, "output", p.shapes.output, false, p, dev, ErrorCode::BadOutput);
-  check_view(out.attn_probs, "attn_probs", p.shapes.attn_probs, false, p, dev, ErrorCode::BadOutput);
-  check_view(out.logsumexp, "logsumexp", p.shapes.logsumexp, true, p, dev, ErrorCode::BadOutput);
+  check_view(out.output, "output", p.shapes.output, false, dev, ErrorCode::BadOutput);
+  check_view(out.attn_probs, "attn_probs", p.shapes.attn_probs, false, dev, ErrorCode::BadOutput);
+  check_view(out.logsumexp, "logsumexp", p.shapes.logsumexp, true, dev, ErrorCode::BadOutput);
 }
 
 void check_backward(const Problem& p, const BackwardArgs& a, const BackwardOutputs& out) {
   const Device dev = p.device;
-  check_view(a.logsumexp, "logsumexp", p.shapes.logsumexp, true, p, dev, ErrorCode::BadGradient);
-  if (a.grad_output) check_view(*a.grad_output, "grad_output", p.shapes.output, false, p, dev, ErrorCode::BadGradient);
-  if (a.grad_probs) check_view(*a.grad_probs, "grad_probs", p.shapes.attn_probs, false, p, dev, ErrorCode::BadGradient);
-  if (out.grad_query) check_view(*out.grad_query, "grad_query", a.forward.query.shape, false, p, dev, ErrorCode::BadOutput);
-  if (out.grad_key) check_view(*out.grad_key, "grad_key", a.forward.key.shape, false, p, dev, ErrorCode::BadOutput);
-  if (out.grad_value) check_view(*out.grad_value, "grad_value", a.forward.value.shape, false, p, dev, ErrorCode::BadOutput);
+  check_view(a.logsumexp, "logsumexp", p.shapes.logsumexp, true, dev, ErrorCode::BadGradient);
+  if (a.grad_output) check_view(*a.grad_output, "grad_output", p.shapes.output, false, dev, ErrorCode::BadGradient);
+  if (a.grad_probs) check_view(*a.grad_probs, "grad_probs", p.shapes.attn_probs, false, dev, ErrorCode::BadGradient);
+  if (out.grad_query) check_view(*out.grad_query, "grad_query", a.forward.query.shape, false, dev, ErrorCode::BadOutput);
+  if (out.grad_key) check_view(*out.grad_key, "grad_key", a.forward.key.shape, false, dev, ErrorCode::BadOutput);
+  if (out.grad_value) check_view(*out.grad_value, "grad_value", a.forward.value.shape, false, dev, ErrorCode::BadOutput);
   if (out.grad_attn_mask) {
     if (!p.attn_mask.present() || p.mask_is_bool)
       fail(ErrorCode::BadOutput, "grad_attn_mask was requested but there is no float attn_mask to differentiate");
-    check_view(*out.grad_attn_mask, "grad_attn_mask", a.forward.attn_mask->shape, false, p, dev, ErrorCode::BadOutput);
+    check_view(*out.grad_attn_mask, "grad_attn_mask", a.forward.attn_mask->shape, false, dev, ErrorCode::BadOutput);
   }
 }
 

@@ -21,6 +21,17 @@ Case small() {
   return c;
 }
 
+// Expects `fn` to throw sdpa_math::Error with `code` and a message containing `text`.
+void expect_error(const std::function<void()>& fn, ErrorCode code, const std::string& text) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error raised; expected " << error_code_name(code);
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), code) << e.what();
+    EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << "message: " << e.what();
+  }
+}
+
 // Runs forward on both CPU backends with outputs sized for the valid `good` problem; expects the
 // error and untouched outputs.
 void expect_forward_error(const ForwardArgs& args, ErrorCode code, const std::string& text) {
@@ -29,13 +40,7 @@ void expect_forward_error(const ForwardArgs& args, ErrorCode code, const std::st
     Tensor p = empty_tensor(DType::Float32, make_shape({2, 4, 5, 6}));
     Tensor l = empty_tensor(DType::Float32, make_shape({2, 4, 5}));
     const auto before = o.storage, before_p = p.storage, before_l = l.storage;
-    try {
-      forward(be, args, {o.view, p.view, l.view});
-      ADD_FAILURE() << "no error raised; expected " << error_code_name(code);
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), code) << e.what();
-      EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << "message: " << e.what();
-    }
+    expect_error([&] { forward(be, args, {o.view, p.view, l.view}); }, code, text);
     EXPECT_EQ(o.storage, before);
     EXPECT_EQ(p.storage, before_p);
     EXPECT_EQ(l.storage, before_l);
@@ -182,13 +187,8 @@ TEST(Validation, OutputOfWrongShape) {
   Built b = build(small());
   Tensor o = empty_tensor(DType::Float32, make_shape({2, 4, 5, 9})), p = empty_tensor(DType::Float32, make_shape({2, 4, 5, 6})),
          l = empty_tensor(DType::Float32, make_shape({2, 4, 5}));
-  try {
-    forward(Backend::Cpu, b.args, {o.view, p.view, l.view});
-    ADD_FAILURE() << "no error";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::BadOutput);
-    EXPECT_NE(std::string(e.what()).find("output has shape (2, 4, 5, 9), expected (2, 4, 5, 8)"), std::string::npos) << e.what();
-  }
+  expect_error([&] { forward(Backend::Cpu, b.args, {o.view, p.view, l.view}); }, ErrorCode::BadOutput,
+               "output has shape (2, 4, 5, 9), expected (2, 4, 5, 8)");
 }
 
 TEST(Validation, GradientOfWrongShapeAndMaskGradWithoutFloatMask) {
@@ -201,23 +201,13 @@ TEST(Validation, GradientOfWrongShapeAndMaskGradWithoutFloatMask) {
   args.logsumexp = l.view;
   args.grad_output = bad_dO.view;
   const auto before = dq.storage;
-  try {
-    backward(Backend::Cpu, args, {dq.view, std::nullopt, std::nullopt, std::nullopt});
-    ADD_FAILURE() << "no error";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::BadGradient);
-    EXPECT_NE(std::string(e.what()).find("grad_output has shape"), std::string::npos) << e.what();
-  }
+  expect_error([&] { backward(Backend::Cpu, args, {dq.view, std::nullopt, std::nullopt, std::nullopt}); },
+               ErrorCode::BadGradient, "grad_output has shape");
   EXPECT_EQ(dq.storage, before);
   args.grad_output.reset();
   Tensor gm = empty_tensor(DType::Float32, make_shape({5, 6}));
-  try {
-    backward(Backend::Cpu, args, {dq.view, std::nullopt, std::nullopt, gm.view});
-    ADD_FAILURE() << "no error";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::BadOutput);
-    EXPECT_NE(std::string(e.what()).find("no float attn_mask"), std::string::npos) << e.what();
-  }
+  expect_error([&] { backward(Backend::Cpu, args, {dq.view, std::nullopt, std::nullopt, gm.view}); },
+               ErrorCode::BadOutput, "no float attn_mask");
 }
 
 TEST(Validation, CudaBackendUnavailableInCpuBuild) {
@@ -225,12 +215,8 @@ TEST(Validation, CudaBackendUnavailableInCpuBuild) {
   Built b = build(small());
   Tensor o = empty_tensor(DType::Float32, make_shape({2, 4, 5, 8})), p = empty_tensor(DType::Float32, make_shape({2, 4, 5, 6})),
          l = empty_tensor(DType::Float32, make_shape({2, 4, 5}));
-  try {
-    forward(Backend::Cuda, b.args, {o.view, p.view, l.view});
-    ADD_FAILURE() << "no error";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::BackendUnavailable);
-  }
+  expect_error([&] { forward(Backend::Cuda, b.args, {o.view, p.view, l.view}); }, ErrorCode::BackendUnavailable,
+               "the cuda backend is not in this build");
 }
 
 }  // namespace
