@@ -98,8 +98,8 @@ def build(case: Case, dtype, seed=0):
 def cases():
     out = []
     for L, S, E in [(1, 1, 8), (1, 7, 16), (7, 1, 48), (7, 7, 64), (7, 64, 80), (64, 7, 96), (64, 64, 128),
-                    (33, 100, 256), (100, 33, 1), (17, 257, 64)]:
-        out.append(Case(L=L, S=S, E=E, Ev=E))
+                    (33, 100, 256), (100, 33, 1), (17, 257, 64), (1, 1024, 64), (1024, 7, 32), (257, 1024, 64)]:
+        out.append(Case(hq=1 if L * S > 100_000 else 2, hkv=1 if L * S > 100_000 else 2, L=L, S=S, E=E, Ev=E))
     for m in ("float", "float_pad", "float_2d", "bool", "bool_pad", "bool_rows", "neginf_rows", "fmin_rows"):
         out.append(Case(hq=3, hkv=3, L=20, S=45, E=32, Ev=32, mask=m))
     for L, S in [(7, 30), (30, 30), (30, 7)]:
