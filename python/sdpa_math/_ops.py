@@ -15,7 +15,10 @@ ops = torch.ops.sdpa_math
 
 
 def _lead_shape(query, key, value, enable_gqa):
-    """The output's leading dims (*batch, Hq): matmul broadcasting, GQA heads taking the query's."""
+    """The output's leading dims (*batch, Hq): matmul broadcasting, GQA heads taking the query's.
+
+    Shape inference only, for tracing with fake (possibly symbolic) shapes; the rule that
+    validates and raises is the core's (src/core/validate.cpp), which every real call goes through."""
     ql, kl, vl = list(query.shape[:-2]), list(key.shape[:-2]), list(value.shape[:-2])
     if enable_gqa and query.dim() >= 3 and key.dim() >= 3 and value.dim() >= 3:
         kl[-1] = ql[-1]

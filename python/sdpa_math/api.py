@@ -24,11 +24,8 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     bool (True = attend) or float (added to the scores), broadcast to (*batch, Hq, L, S).
     Gradients flow through both outputs (and into a float attn_mask that requires grad).
     """
-    seed = offset = 0
-    if dropout_p > 0 and dropout_mask is None:
-        seed, offset = _dropout_stream()
-    output, probs, _ = ops.forward(query, key, value, attn_mask, float(dropout_p), bool(is_causal), dropout_mask,
-                                   None if scale is None else float(scale), bool(enable_gqa), seed, offset)
+    output, probs, _ = attention_with_lse(query, key, value, attn_mask, dropout_p, is_causal, dropout_mask,
+                                          scale=scale, enable_gqa=enable_gqa)
     return output, probs
 
 
