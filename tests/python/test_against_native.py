@@ -6,6 +6,8 @@ once. Direct native calls with a bool mask add 0/1 to the scores (contract §5):
 skipped explicitly (and counted in the skip reasons) and instead compared with native given the
 mask the public API would build (True -> 0, False -> -inf).
 """
+import zlib
+
 import pytest
 import torch
 
@@ -34,7 +36,7 @@ def _native(args, kwargs, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("case", cases(), ids=lambda c: c.id)
 def test_matches_native(case, dtype):
-    args, kwargs = build(case, dtype, seed=hash(case.id) % 1000)
+    args, kwargs = build(case, dtype, seed=zlib.crc32(case.id.encode()))  # stable across processes
     out, probs = sdpa_math.attention(*args, **kwargs)
     assert out.dtype == dtype and probs.dtype == dtype
     ref_out, ref_probs = _native(args, kwargs, dtype)

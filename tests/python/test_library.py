@@ -93,3 +93,12 @@ def test_bad_input_raises_core_message(bad, message):
     with pytest.raises(RuntimeError, match=None) as info:
         sdpa_math.attention(q, k, v, mask, p, causal, dmask, enable_gqa=bad.get("enable_gqa", False))
     assert message in str(info.value)
+
+
+def test_mask_gradient_without_float_mask_is_an_error():
+    q, k, v = _qkv(Hkv=4)
+    bool_mask = torch.rand(6, 7) > 0.3
+    out, probs, lse = ops.forward(q, k, v, bool_mask, 0.0, False, None, None, False, 0, 0)
+    with pytest.raises(RuntimeError, match="no float attn_mask to differentiate"):
+        ops.backward(torch.randn_like(out), None, q, k, v, bool_mask, lse, 0.0, False, None, None, False, 0, 0,
+                     [True, True, True, True])

@@ -106,7 +106,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_kernel(
 }
 
 // Returns (grad_query, grad_key, grad_value, grad_attn_mask); a gradient not asked for by
-// `output_mask` (or a mask gradient without a float mask) comes back as an empty tensor of
+// `output_mask` comes back as an empty tensor of
 // shape (0,): custom-op schemas cannot return optional tensors.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_kernel(
     const std::optional<at::Tensor>& grad_output, const std::optional<at::Tensor>& grad_probs, const at::Tensor& q,
@@ -124,7 +124,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_kernel(
     if (output_mask[0]) { gq = at::empty_like(q, at::MemoryFormat::Contiguous); out.grad_query = view_of(gq); }
     if (output_mask[1]) { gk = at::empty_like(k, at::MemoryFormat::Contiguous); out.grad_key = view_of(gk); }
     if (output_mask[2]) { gv = at::empty_like(v, at::MemoryFormat::Contiguous); out.grad_value = view_of(gv); }
-    if (output_mask[3] && mask && mask->defined() && mask->is_floating_point()) {
+    if (output_mask[3]) {  // without a float mask the core raises "no float attn_mask to differentiate"
+      TORCH_CHECK(mask && mask->defined(), "grad_attn_mask was requested but there is no attn_mask");
       gm = at::empty_like(*mask, at::MemoryFormat::Contiguous);
       out.grad_attn_mask = view_of(gm);
     }
