@@ -3,7 +3,9 @@
 // Semantics: shared/docs/contract.md (the contract of aten::_scaled_dot_product_attention_math).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <optional>
 
 #include "sdpa_math/error.h"
@@ -56,6 +58,10 @@ struct ForwardOutputs {
 struct BackwardArgs {
   ForwardArgs forward;  // the same inputs and options as the forward
   TensorView logsumexp; // what the forward returned
+  // The forward's O, optional. With it the CUDA backend gets rowsum(A . dA) as
+  // rowsum(dO . O) + rowsum(P . dP) from memory instead of recomputing two products.
+  std::optional<TensorView> output;
+  std::optional<TensorView> attn_probs;  // the forward's P, read together with `output`
   std::optional<TensorView> grad_output;  // dL/dO, shape of O; absent = zero
   std::optional<TensorView> grad_probs;   // dL/dP, shape of P; absent = zero
 };
@@ -69,12 +75,20 @@ struct BackwardOutputs {
   std::optional<TensorView> grad_attn_mask;
 };
 
+// How the CUDA backend runs a call: on which stream, and where it borrows scratch memory
+// (the binding passes PyTorch's current stream and caching allocator). Ignored by CPU backends.
+struct CudaExecution {
+  void* stream = nullptr;                         // a cudaStream_t; nullptr = the default stream
+  std::function<void*(std::size_t)> allocate;     // empty = cudaMallocAsync on the stream
+  std::function<void(void*)> release;
+};
+
 // Validates the inputs (throws sdpa_math::Error naming the problem) and returns output shapes.
 ForwardShapes forward_shapes(const ForwardArgs& args);
 
 // Validate everything first, then compute. Nothing is written when validation fails.
-void forward(Backend backend, const ForwardArgs& args, const ForwardOutputs& out);
-void backward(Backend backend, const BackwardArgs& args, const BackwardOutputs& out);
+void forward(Backend backend, const ForwardArgs& args, const ForwardOutputs& out, const CudaExecution& cuda = {});
+void backward(Backend backend, const BackwardArgs& args, const BackwardOutputs& out, const CudaExecution& cuda = {});
 
 // Threads used by the CPU backend (0 = OpenMP's default).
 void set_cpu_threads(int n);

@@ -28,6 +28,7 @@ enum class ErrorCode {
   BadOutput,              // an output or gradient buffer of the wrong shape, dtype or device
   BadGradient,            // grad_output / grad_probs of the wrong shape or dtype
   BackendUnavailable,     // e.g. CUDA requested in a build without CUDA
+  CudaFailure,            // a CUDA runtime call or kernel launch failed
 };
 
 const char* error_code_name(ErrorCode code);

@@ -33,12 +33,12 @@ def _forward_fake(query, key, value, attn_mask, dropout_p, is_causal, dropout_ma
     return (
         query.new_empty((*lead, L, Ev)),
         query.new_empty((*lead, L, S)),
-        query.new_empty((*lead, L), dtype=torch.float32),
+        query.new_empty((*lead, L), dtype=torch.float64 if query.dtype == torch.float64 else torch.float32),
     )
 
 
 @torch.library.register_fake("sdpa_math::backward")
-def _backward_fake(grad_output, grad_probs, query, key, value, attn_mask, logsumexp, dropout_p, is_causal,
+def _backward_fake(grad_output, grad_probs, query, key, value, attn_mask, logsumexp, output, attn_probs, dropout_p, is_causal,
                    dropout_mask, scale, enable_gqa, seed, offset, output_mask):
     # Gradients not asked for come back as empty (0,) tensors (see csrc/binding.cpp).
     mask_grad = output_mask[3] and attn_mask is not None and attn_mask.is_floating_point()
@@ -52,8 +52,10 @@ def _backward_fake(grad_output, grad_probs, query, key, value, attn_mask, logsum
 
 def _setup_context(ctx, inputs, output):
     query, key, value, attn_mask, dropout_p, is_causal, dropout_mask, scale, enable_gqa, seed, offset = inputs
-    _, _, lse = output
-    ctx.save_for_backward(query, key, value, attn_mask, dropout_mask, lse)
+    out, probs, lse = output
+    # O and P let the CUDA backward read rowsum(A . dA) as rowsum(dO . O) + rowsum(P . dP)
+    # instead of recomputing two products (native's math op keeps P for its backward too).
+    ctx.save_for_backward(query, key, value, attn_mask, dropout_mask, lse, out, probs)
     ctx.options = (dropout_p, is_causal, scale, enable_gqa, seed, offset)
     ctx.mark_non_differentiable(lse)
     # An output that did not reach the loss gets None, not a tensor of zeros: no L x S zeros
@@ -62,14 +64,14 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_output, grad_probs, _grad_lse):
-    query, key, value, attn_mask, dropout_mask, lse = ctx.saved_tensors
+    query, key, value, attn_mask, dropout_mask, lse, out, probs = ctx.saved_tensors
     dropout_p, is_causal, scale, enable_gqa, seed, offset = ctx.options
     need = ctx.needs_input_grad
     mask_grad = bool(need[3] and attn_mask is not None and attn_mask.is_floating_point())
     if grad_output is None and grad_probs is None:
         return (None,) * 11
     wanted = [bool(need[0]), bool(need[1]), bool(need[2]), mask_grad]
-    grads = ops.backward(grad_output, grad_probs, query, key, value, attn_mask, lse, dropout_p, is_causal,
+    grads = ops.backward(grad_output, grad_probs, query, key, value, attn_mask, lse, out, probs, dropout_p, is_causal,
                          dropout_mask, scale, enable_gqa, seed, offset, wanted)
     gq, gk, gv, gm = (g if w else None for g, w in zip(grads, wanted))
     return gq, gk, gv, gm, None, None, None, None, None, None, None

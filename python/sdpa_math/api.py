@@ -31,7 +31,8 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
 
 def attention_with_lse(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, dropout_mask=None, *,
                        scale=None, enable_gqa=False, seed=None, offset=0):
-    """Like attention(), also returning the row log-sum-exp (float32; -inf on fully masked rows),
+    """Like attention(), also returning the row log-sum-exp (float32, float64 for float64
+    inputs; -inf on fully masked rows),
     and taking an explicit dropout (seed, offset)."""
     if seed is None:
         seed, offset = _dropout_stream() if (dropout_p > 0 and dropout_mask is None) else (0, 0)

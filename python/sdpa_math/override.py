@@ -16,7 +16,14 @@ import torch
 from .api import attention
 
 _OP = "_scaled_dot_product_attention_math"
-_KEYS = ("CPU", "AutogradCPU")
+
+
+def _keys() -> tuple[str, ...]:
+    """The dispatch keys to take over: CPU always, CUDA where this build has CUDA kernels."""
+    keys = ["CPU", "AutogradCPU"]
+    if torch._C._dispatch_has_kernel_for_dispatch_key("sdpa_math::forward", "CUDA"):
+        keys += ["CUDA", "AutogradCUDA"]
+    return tuple(keys)
 
 _lock = threading.Lock()
 _library: torch.library.Library | None = None
@@ -33,13 +40,14 @@ def _aten_kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
 
 def enable() -> None:
     """Route aten::_scaled_dot_product_attention_math (and F.scaled_dot_product_attention under
-    the math backend) to sdpa_math on CPU tensors. Idempotent."""
+    the math backend) to sdpa_math on CPU tensors, and on CUDA tensors when this build has the
+    CUDA backend. Idempotent."""
     global _library
     with _lock:
         if _library is not None:
             return
         lib = torch.library.Library("aten", "IMPL")
-        for key in _KEYS:
+        for key in _keys():
             lib.impl(_OP, _aten_kernel, key)
         _library = lib
 

@@ -3,6 +3,9 @@
 #include "../cpu/kernels.h"
 #include "../reference/reference.h"
 #include "problem.h"
+#ifdef SDPA_MATH_WITH_CUDA
+#include "../cuda/backend.h"
+#endif
 
 namespace sdpa_math {
 namespace {
@@ -27,24 +30,41 @@ const char* backend_name(Backend b) {
   return "unknown";
 }
 
-bool backend_available(Backend b) { return b != Backend::Cuda; }
+bool backend_available(Backend b) {
+#ifdef SDPA_MATH_WITH_CUDA
+  (void)b;
+  return true;
+#else
+  return b != Backend::Cuda;
+#endif
+}
 
 ForwardShapes forward_shapes(const ForwardArgs& args) { return core::make_problem(args).shapes; }
 
-void forward(Backend backend, const ForwardArgs& args, const ForwardOutputs& out) {
+void forward(Backend backend, const ForwardArgs& args, const ForwardOutputs& out, const CudaExecution& cuda) {
   const core::Problem p = core::make_problem(args);
   core::check_forward_outputs(p, out);
   check_backend(backend, p);
+#ifdef SDPA_MATH_WITH_CUDA
+  if (backend == Backend::Cuda) return cuda::forward(p, out, cuda);
+#else
+  (void)cuda;
+#endif
   if (backend == Backend::Reference || p.dtype == DType::Float64)
     reference::forward(p, out);
   else
     cpu::forward(p, out);
 }
 
-void backward(Backend backend, const BackwardArgs& args, const BackwardOutputs& out) {
+void backward(Backend backend, const BackwardArgs& args, const BackwardOutputs& out, const CudaExecution& cuda) {
   const core::Problem p = core::make_problem(args.forward);
   core::check_backward(p, args, out);
   check_backend(backend, p);
+#ifdef SDPA_MATH_WITH_CUDA
+  if (backend == Backend::Cuda) return cuda::backward(p, args, out, cuda);
+#else
+  (void)cuda;
+#endif
   if (backend == Backend::Reference || p.dtype == DType::Float64)
     reference::backward(p, args, out);
   else

@@ -110,6 +110,7 @@ const char* error_code_name(ErrorCode c) {
     case ErrorCode::BadOutput: return "BadOutput";
     case ErrorCode::BadGradient: return "BadGradient";
     case ErrorCode::BackendUnavailable: return "BackendUnavailable";
+    case ErrorCode::CudaFailure: return "CudaFailure";
   }
   return "Unknown";
 }

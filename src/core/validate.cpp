@@ -288,6 +288,8 @@ void check_backward(const Problem& p, const BackwardArgs& a, const BackwardOutpu
   check_view(a.logsumexp, "logsumexp", p.shapes.logsumexp, true, dev, ErrorCode::BadGradient);
   if (a.grad_output) check_view(*a.grad_output, "grad_output", p.shapes.output, false, dev, ErrorCode::BadGradient);
   if (a.grad_probs) check_view(*a.grad_probs, "grad_probs", p.shapes.attn_probs, false, dev, ErrorCode::BadGradient);
+  if (a.output) check_view(*a.output, "output", p.shapes.output, false, dev, ErrorCode::BadGradient);
+  if (a.attn_probs) check_view(*a.attn_probs, "attn_probs", p.shapes.attn_probs, false, dev, ErrorCode::BadGradient);
   if (out.grad_query) check_view(*out.grad_query, "grad_query", a.forward.query.shape, false, dev, ErrorCode::BadOutput);
   if (out.grad_key) check_view(*out.grad_key, "grad_key", a.forward.key.shape, false, dev, ErrorCode::BadOutput);
   if (out.grad_value) check_view(*out.grad_value, "grad_value", a.forward.value.shape, false, dev, ErrorCode::BadOutput);

@@ -210,13 +210,18 @@ TEST(Validation, GradientOfWrongShapeAndMaskGradWithoutFloatMask) {
                ErrorCode::BadOutput, "no float attn_mask");
 }
 
-TEST(Validation, CudaBackendUnavailableInCpuBuild) {
-  if (backend_available(Backend::Cuda)) GTEST_SKIP() << "this build has CUDA";
+TEST(Validation, CudaBackendNeedsItsBuildAndCudaTensors) {
   Built b = build(small());
   Tensor o = empty_tensor(DType::Float32, make_shape({2, 4, 5, 8})), p = empty_tensor(DType::Float32, make_shape({2, 4, 5, 6})),
          l = empty_tensor(DType::Float32, make_shape({2, 4, 5}));
-  expect_error([&] { forward(Backend::Cuda, b.args, {o.view, p.view, l.view}); }, ErrorCode::BackendUnavailable,
-               "the cuda backend is not in this build");
+  if (backend_available(Backend::Cuda)) {
+    // A build with CUDA refuses host tensors on the CUDA backend before touching them.
+    expect_error([&] { forward(Backend::Cuda, b.args, {o.view, p.view, l.view}); }, ErrorCode::DeviceMismatch,
+                 "the cuda backend cannot run tensors on cpu");
+  } else {
+    expect_error([&] { forward(Backend::Cuda, b.args, {o.view, p.view, l.view}); }, ErrorCode::BackendUnavailable,
+                 "the cuda backend is not in this build");
+  }
 }
 
 }  // namespace

@@ -40,24 +40,25 @@ class Case:
         return "_".join(parts)
 
 
-def _make(shape, dtype, layout, gen):
+def _make(shape, dtype, layout, gen, device):
+    # Drawn on the CPU (one stream for every device), moved, then viewed: the layout survives the move.
     if layout == "transposed":
-        t = torch.randn(*shape[:-2], shape[-1], shape[-2], generator=gen, dtype=torch.float64).transpose(-1, -2)
-    elif layout == "sliced":
-        t = torch.randn(*shape[:-1], 2 * shape[-1] + 1, generator=gen, dtype=torch.float64)[..., 1::2]
-    else:
-        t = torch.randn(*shape, generator=gen, dtype=torch.float64)
-    return t.to(dtype)
+        t = torch.randn(*shape[:-2], shape[-1], shape[-2], generator=gen, dtype=torch.float64)
+        return t.to(device=device, dtype=dtype).transpose(-1, -2)
+    if layout == "sliced":
+        t = torch.randn(*shape[:-1], 2 * shape[-1] + 1, generator=gen, dtype=torch.float64)
+        return t.to(device=device, dtype=dtype)[..., 1::2]
+    return torch.randn(*shape, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype)
 
 
-def build(case: Case, dtype, seed=0):
-    """Returns (args tuple, kwargs) for the aten signature."""
+def build(case: Case, dtype, seed=0, device="cpu"):
+    """Returns (args tuple, kwargs) for the aten signature, with tensors on `device`."""
     gen = torch.Generator().manual_seed(seed)
     heads = (case.hq,) if case.hq else ()
     kvheads = (case.hkv,) if case.hq else ()
-    q = _make((*case.batch, *heads, case.L, case.E), dtype, case.layout, gen)
-    k = _make((*case.batch, *kvheads, case.S, case.E), dtype, case.layout, gen)
-    v = _make((*case.batch, *kvheads, case.S, case.Ev), dtype, case.layout, gen)
+    q = _make((*case.batch, *heads, case.L, case.E), dtype, case.layout, gen, device)
+    k = _make((*case.batch, *kvheads, case.S, case.E), dtype, case.layout, gen, device)
+    v = _make((*case.batch, *kvheads, case.S, case.Ev), dtype, case.layout, gen, device)
     full = (*case.batch, *heads, case.L, case.S)
     pad = (*case.batch, *((1,) if case.hq else ()), 1, case.S)
     rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
@@ -90,7 +91,8 @@ def build(case: Case, dtype, seed=0):
         dropout_mask = uni(*full) < 0.7
         if case.dropout == "explicit_float":
             dropout_mask = dropout_mask.to(dtype)
-    args = (q, k, v, mask, dropout_p, case.causal, dropout_mask)
+    move = lambda t: None if t is None else t.to(device)  # noqa: E731
+    args = (q, k, v, move(mask), dropout_p, case.causal, move(dropout_mask))
     kwargs = dict(scale=case.scale, enable_gqa=case.gqa)
     return args, kwargs
 

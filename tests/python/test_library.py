@@ -36,9 +36,9 @@ def test_opcheck_backward():
     mask = torch.randn(1, 1, 6, 7)
     out, probs, lse = ops.forward(q, k, v, mask, 0.0, False, None, None, False, 0, 0)
     torch.library.opcheck(ops.backward.default, (torch.randn_like(out), torch.randn_like(probs), q, k, v, mask, lse,
-                                                 0.0, False, None, None, False, 0, 0, [True, True, True, True]))
+                                                 out, probs, 0.0, False, None, None, False, 0, 0, [True, True, True, True]))
     torch.library.opcheck(ops.backward.default, (None, torch.randn_like(probs), q, k, v, None, lse,
-                                                 0.0, False, None, None, False, 0, 0, [True, False, True, False]))
+                                                 None, None, 0.0, False, None, None, False, 0, 0, [True, False, True, False]))
 
 
 def _entropy_attention(q, k, v, mask):
@@ -100,5 +100,5 @@ def test_mask_gradient_without_float_mask_is_an_error():
     bool_mask = torch.rand(6, 7) > 0.3
     out, probs, lse = ops.forward(q, k, v, bool_mask, 0.0, False, None, None, False, 0, 0)
     with pytest.raises(RuntimeError, match="no float attn_mask to differentiate"):
-        ops.backward(torch.randn_like(out), None, q, k, v, bool_mask, lse, 0.0, False, None, None, False, 0, 0,
+        ops.backward(torch.randn_like(out), None, q, k, v, bool_mask, lse, None, None, 0.0, False, None, None, False, 0, 0,
                      [True, True, True, True])

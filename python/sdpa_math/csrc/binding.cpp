@@ -3,8 +3,15 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+#ifdef SDPA_MATH_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#endif
 
 #include <array>
+#include <cstdlib>
+#include <limits>
 #include <optional>
 #include <tuple>
 
@@ -90,6 +97,32 @@ sdpa_math::Backend backend_for(const at::Tensor& q) {
   return sdpa_math::Backend::Cpu;
 }
 
+// Test aid: with SDPA_MATH_POISON_OUTPUTS=1 every output buffer starts as NaN, so an element a
+// kernel fails to write shows up instead of hiding behind memory that happened to be zero.
+void poison(std::initializer_list<at::Tensor*> ts) {
+  const char* flag = std::getenv("SDPA_MATH_POISON_OUTPUTS");
+  if (flag == nullptr || flag[0] != '1') return;
+  for (at::Tensor* t : ts)
+    if (t->defined() && t->numel() > 0) t->fill_(std::numeric_limits<double>::quiet_NaN());
+}
+
+// CUDA calls run on PyTorch's current stream and borrow scratch memory from its caching
+// allocator, so they order and pool like any PyTorch kernel (and run out of memory the same way).
+sdpa_math::CudaExecution cuda_execution(const at::Tensor& q) {
+  sdpa_math::CudaExecution ex;
+#ifdef SDPA_MATH_WITH_CUDA
+  if (q.is_cuda()) {
+    cudaStream_t stream = at::cuda::getCurrentCUDAStream(q.get_device()).stream();
+    ex.stream = stream;
+    ex.allocate = [stream](size_t bytes) { return c10::cuda::CUDACachingAllocator::raw_alloc_with_stream(bytes, stream); };
+    ex.release = [](void* ptr) { c10::cuda::CUDACachingAllocator::raw_delete(ptr); };
+  }
+#else
+  (void)q;
+#endif
+  return ex;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_kernel(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask,
     double dropout_p, bool is_causal, const std::optional<at::Tensor>& dropout_mask, std::optional<double> scale,
@@ -99,8 +132,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_kernel(
     const sdpa_math::ForwardShapes s = sdpa_math::forward_shapes(a);
     at::Tensor out = at::empty(dims(s.output), q.options());
     at::Tensor probs = at::empty(dims(s.attn_probs), q.options());
-    at::Tensor lse = at::empty(dims(s.logsumexp), q.options().dtype(at::kFloat));
-    sdpa_math::forward(backend_for(q), a, {view_of(out), view_of(probs), view_of(lse)});
+    // float64 inputs get a float64 log-sum-exp, so their backward keeps float64 accuracy.
+    const auto lse_dtype = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+    at::Tensor lse = at::empty(dims(s.logsumexp), q.options().dtype(lse_dtype));
+    poison({&out, &probs, &lse});
+    sdpa_math::forward(backend_for(q), a, {view_of(out), view_of(probs), view_of(lse)}, cuda_execution(q));
     return std::make_tuple(out, probs, lse);
   });
 }
@@ -111,7 +147,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_kernel(
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_kernel(
     const std::optional<at::Tensor>& grad_output, const std::optional<at::Tensor>& grad_probs, const at::Tensor& q,
     const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask, const at::Tensor& logsumexp,
-    double dropout_p, bool is_causal, const std::optional<at::Tensor>& dropout_mask, std::optional<double> scale,
+    const std::optional<at::Tensor>& output, const std::optional<at::Tensor>& attn_probs, double dropout_p, bool is_causal, const std::optional<at::Tensor>& dropout_mask, std::optional<double> scale,
     bool enable_gqa, int64_t seed, int64_t offset, std::array<bool, 4> output_mask) {
   return checked([&] {
     sdpa_math::BackwardArgs a;
@@ -119,6 +155,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_kernel(
     a.logsumexp = view_of(logsumexp);
     a.grad_output = view_of(grad_output);
     a.grad_probs = view_of(grad_probs);
+    a.output = view_of(output);
+    a.attn_probs = view_of(attn_probs);
     at::Tensor gq, gk, gv, gm;
     sdpa_math::BackwardOutputs out;
     if (output_mask[0]) { gq = at::empty_like(q, at::MemoryFormat::Contiguous); out.grad_query = view_of(gq); }
@@ -129,7 +167,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_kernel(
       gm = at::empty_like(*mask, at::MemoryFormat::Contiguous);
       out.grad_attn_mask = view_of(gm);
     }
-    sdpa_math::backward(backend_for(q), a, out);
+    poison({&gq, &gk, &gv, &gm});
+    sdpa_math::backward(backend_for(q), a, out, cuda_execution(q));
     auto or_empty = [&](const at::Tensor& t) { return t.defined() ? t : at::empty({0}, q.options()); };
     return std::make_tuple(or_empty(gq), or_empty(gk), or_empty(gv), or_empty(gm));
   });
@@ -144,7 +183,7 @@ TORCH_LIBRARY(sdpa_math, m) {
       "-> (Tensor output, Tensor attn_probs, Tensor logsumexp)");
   m.def(
       "backward(Tensor? grad_output, Tensor? grad_probs, Tensor query, Tensor key, Tensor value, Tensor? attn_mask, "
-      "Tensor logsumexp, float dropout_p, bool is_causal, Tensor? dropout_mask, float? scale, bool enable_gqa, "
+      "Tensor logsumexp, Tensor? output, Tensor? attn_probs, float dropout_p, bool is_causal, Tensor? dropout_mask, float? scale, bool enable_gqa, "
       "int seed, int offset, bool[4] output_mask) "
       "-> (Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_attn_mask)");
 }
@@ -153,3 +192,10 @@ TORCH_LIBRARY_IMPL(sdpa_math, CPU, m) {
   m.impl("forward", &forward_kernel);
   m.impl("backward", &backward_kernel);
 }
+
+#ifdef SDPA_MATH_WITH_CUDA
+TORCH_LIBRARY_IMPL(sdpa_math, CUDA, m) {
+  m.impl("forward", &forward_kernel);
+  m.impl("backward", &backward_kernel);
+}
+#endif

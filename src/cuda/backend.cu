@@ -1,0 +1,193 @@
+// The CUDA backend's host side: the problem as kernels see it, scratch memory from the caller's
+// allocator, the choice between tensor-core and generic kernels, and the gradients' final
+// conversion from dense fp32/fp64 accumulators to the caller's (strided, any dtype) buffers.
+#include "backend.h"
+
+#include <cuda_runtime.h>
+
+#include "device_problem.cuh"
+#include "generic.cuh"
+#include "launch.cuh"
+#include "tensor_core.cuh"
+
+namespace sdpa_math::cuda {
+namespace {
+
+DevOperand to_device(const core::Operand& op) {
+  DevOperand d;
+  d.data = const_cast<char*>(op.data);
+  d.dtype = op.dtype;
+  d.head_group = op.head_group;
+  for (int i = 0; i < kMaxDims; ++i) {
+    d.lead[i] = op.lead_strides[i];
+    d.dense_lead[i] = op.dense_lead_strides[i];
+  }
+  d.row = op.row_stride;
+  d.col = op.col_stride;
+  d.dense_row = op.dense_row_stride;
+  d.dense_col = op.dense_col_stride;
+  return d;
+}
+
+DevProblem to_device(const core::Problem& p) {
+  DevProblem d;
+  d.lead_ndim = p.lead_ndim;
+  for (int i = 0; i < kMaxDims; ++i) d.lead_shape[i] = p.lead_shape[i];
+  d.num_lead = p.num_lead;
+  d.L = p.L;
+  d.S = p.S;
+  d.E = p.E;
+  d.Ev = p.Ev;
+  d.q = to_device(p.query);
+  d.k = to_device(p.key);
+  d.v = to_device(p.value);
+  if (p.attn_mask.present()) d.mask = to_device(p.attn_mask);
+  if (p.dropout_mask.present() && p.dropout == core::DropoutMode::ExplicitMask) d.dmask = to_device(p.dropout_mask);
+  d.mask_is_bool = p.mask_is_bool;
+  d.causal = p.is_causal;
+  d.dropout = p.dropout == core::DropoutMode::None ? Dropout::None
+              : p.dropout == core::DropoutMode::ExplicitMask ? Dropout::ExplicitMask : Dropout::Random;
+  d.drop_threshold = dropout_threshold(p.dropout_p);
+  d.keep_scale = p.keep_scale();
+  d.scale = p.scale;
+  d.seed = p.seed;
+  d.offset = p.offset;
+  return d;
+}
+
+DevOperand output_to_device(const core::Problem& p, const TensorView& v, bool has_cols) {
+  return to_device(core::output_operand(p, v, has_cols));
+}
+
+// Runs on the tensors' device; restores the caller's current device.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int index) {
+    check_cuda(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (index >= 0 && index != previous_) check_cuda(cudaSetDevice(index), "cudaSetDevice");
+  }
+  ~DeviceGuard() { cudaSetDevice(previous_); }
+
+ private:
+  int previous_ = 0;
+};
+
+// Scratch memory of one call, from the caller's allocator (or the stream-ordered one).
+class Scratch {
+ public:
+  Scratch(const CudaExecution& ex, cudaStream_t stream) : ex_(ex), stream_(stream) {}
+  ~Scratch() {
+    for (void* ptr : blocks_) {
+      if (ex_.release) ex_.release(ptr);
+      else cudaFreeAsync(ptr, stream_);
+    }
+  }
+  template <typename T>
+  T* zeros(int64_t n) {
+    if (n <= 0) return nullptr;
+    const size_t bytes = sizeof(T) * static_cast<size_t>(n);
+    void* ptr = nullptr;
+    if (ex_.allocate) ptr = ex_.allocate(bytes);
+    else check_cuda(cudaMallocAsync(&ptr, bytes, stream_), "allocating CUDA scratch memory");
+    blocks_.push_back(ptr);
+    check_cuda(cudaMemsetAsync(ptr, 0, bytes, stream_), "clearing CUDA scratch memory");
+    return static_cast<T*>(ptr);
+  }
+
+ private:
+  const CudaExecution& ex_;
+  cudaStream_t stream_;
+  std::vector<void*> blocks_;
+};
+
+// A destination view of a gradient: dense accumulator element n goes to the strided element of
+// the same (row-major) coordinates.
+struct ViewDesc {
+  char* data = nullptr;
+  DType dtype = DType::Float32;
+  int ndim = 0;
+  int64_t shape[kMaxDims] = {};
+  int64_t strides[kMaxDims] = {};
+  int64_t numel = 0;
+};
+
+template <typename Acc>
+__global__ void dense_to_view(const Acc* __restrict__ src, ViewDesc dst) {
+  for (int64_t n = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; n < dst.numel;
+       n += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    int64_t rest = n, off = 0;
+    for (int d = dst.ndim - 1; d >= 0; --d) {
+      off += (rest % dst.shape[d]) * dst.strides[d];
+      rest /= dst.shape[d];
+    }
+    store_elem<Acc>(dst.dtype, dst.data, off, src[n]);
+  }
+}
+
+template <typename Acc>
+void write_gradient(const Acc* dense, const std::optional<TensorView>& view, cudaStream_t stream) {
+  if (!view || view->numel() == 0) return;
+  ViewDesc d;
+  d.data = static_cast<char*>(view->data);
+  d.dtype = view->dtype;
+  d.ndim = view->ndim();
+  for (int i = 0; i < d.ndim; ++i) {
+    d.shape[i] = view->shape.dims[i];
+    d.strides[i] = view->strides[i];
+  }
+  d.numel = view->numel();
+  const int64_t blocks = std::min<int64_t>((d.numel + 255) / 256, 65535);
+  dense_to_view<Acc><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(dense, d);
+  check_launch("gradient conversion");
+}
+
+template <typename Acc>
+void backward_with(const core::Problem& p, DevProblem& dp, const BackwardOutputs& out,
+                   const CudaExecution& ex, cudaStream_t stream) {
+  Scratch scratch(ex, stream);
+  BackwardBuffers<Acc> g;
+  // Accumulators exist (zeroed) for every requested gradient, even when no element adds to it.
+  auto buffer_for = [&](const std::optional<TensorView>& v) -> Acc* {
+    return v ? scratch.zeros<Acc>(std::max<int64_t>(v->numel(), 1)) : nullptr;
+  };
+  g.dq = buffer_for(out.grad_query);
+  g.dk = buffer_for(out.grad_key);
+  g.dv = buffer_for(out.grad_value);
+  g.dmask = buffer_for(out.grad_attn_mask);
+  g.delta = scratch.zeros<Acc>(std::max<int64_t>(p.num_lead * p.L, 1));
+  if (!tensor_core_backward(dp, g, stream)) generic_backward<Acc>(dp, g, stream);
+  write_gradient<Acc>(g.dq, out.grad_query, stream);
+  write_gradient<Acc>(g.dk, out.grad_key, stream);
+  write_gradient<Acc>(g.dv, out.grad_value, stream);
+  write_gradient<Acc>(g.dmask, out.grad_attn_mask, stream);
+}
+
+}  // namespace
+
+void forward(const core::Problem& p, const ForwardOutputs& out, const CudaExecution& ex) {
+  DeviceGuard guard(p.device.index);
+  auto stream = static_cast<cudaStream_t>(ex.stream);
+  DevProblem dp = to_device(p);
+  dp.out = output_to_device(p, out.output, true);
+  dp.probs = output_to_device(p, out.attn_probs, true);
+  dp.lse = output_to_device(p, out.logsumexp, false);
+  if (p.num_lead * p.L == 0) return;
+  if (tensor_core_forward(dp, stream)) return;
+  if (p.dtype == DType::Float64) generic_forward<double>(dp, stream);
+  else generic_forward<float>(dp, stream);
+}
+
+void backward(const core::Problem& p, const BackwardArgs& args, const BackwardOutputs& out, const CudaExecution& ex) {
+  DeviceGuard guard(p.device.index);
+  auto stream = static_cast<cudaStream_t>(ex.stream);
+  DevProblem dp = to_device(p);
+  dp.lse = output_to_device(p, args.logsumexp, false);
+  if (args.grad_output) dp.grad_out = output_to_device(p, *args.grad_output, true);
+  if (args.grad_probs) dp.grad_probs = output_to_device(p, *args.grad_probs, true);
+  if (args.output) dp.out = output_to_device(p, *args.output, true);
+  if (args.attn_probs) dp.probs = output_to_device(p, *args.attn_probs, true);
+  if (p.dtype == DType::Float64) backward_with<double>(p, dp, out, ex, stream);
+  else backward_with<float>(p, dp, out, ex, stream);
+}
+
+}  // namespace sdpa_math::cuda

@@ -1,0 +1,12 @@
+// The CUDA backend (built when CMake finds a CUDA compiler): fp16/bf16 on tensor cores where the
+// head size allows, everything else on the generic path. Kernels run on the given stream.
+#pragma once
+
+#include "../core/problem.h"
+
+namespace sdpa_math::cuda {
+
+void forward(const core::Problem& p, const ForwardOutputs& out, const CudaExecution& ex);
+void backward(const core::Problem& p, const BackwardArgs& args, const BackwardOutputs& out, const CudaExecution& ex);
+
+}  // namespace sdpa_math::cuda

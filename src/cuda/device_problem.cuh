@@ -1,0 +1,165 @@
+// The normalized problem (core::Problem) as the CUDA kernels see it, and the contract's rules on
+// device: where an element lives, what the mask does to a score, what dropout does to a
+// probability. Every CUDA kernel applies these functions, so each rule is written once per layer.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "sdpa_math/dropout_rng.h"
+#include "sdpa_math/tensor_view.h"
+
+namespace sdpa_math::cuda {
+
+// One operand: memory strides over the output's lead dims (0 = broadcast), over its last two
+// dims, and the same for the dense fp32 buffer its gradient accumulates in.
+struct DevOperand {
+  char* data = nullptr;
+  DType dtype = DType::Float32;
+  int64_t head_group = 1;
+  int64_t lead[kMaxDims] = {};
+  int64_t row = 0, col = 0;
+  int64_t dense_lead[kMaxDims] = {};
+  int64_t dense_row = 0, dense_col = 0;
+};
+
+enum class Dropout : int { None = 0, ExplicitMask = 1, Random = 2 };
+
+struct DevProblem {
+  int lead_ndim = 0;
+  int64_t lead_shape[kMaxDims] = {};
+  int64_t num_lead = 0, L = 0, S = 0, E = 0, Ev = 0;
+  DevOperand q, k, v, mask, dmask;        // inputs (mask/dmask: data == nullptr when absent)
+  DevOperand out, probs, lse;             // forward outputs (lse: col unused)
+  DevOperand grad_out, grad_probs;        // backward inputs (absent = zero)
+  bool mask_is_bool = false;
+  bool causal = false;
+  Dropout dropout = Dropout::None;
+  uint32_t drop_threshold = 0;
+  double keep_scale = 1.0;  // c of contract §8/§9 (0 for random p = 1)
+  double scale = 1.0;
+  uint64_t seed = 0, offset = 0;
+};
+
+#define SDPA_MATH_D __device__ __forceinline__
+
+SDPA_MATH_D int64_t unravel(const DevProblem& p, const int64_t* strides, int64_t group, int64_t lead) {
+  int64_t off = 0;
+  for (int d = p.lead_ndim - 1; d >= 0; --d) {
+    int64_t c = lead % p.lead_shape[d];
+    lead /= p.lead_shape[d];
+    if (d == p.lead_ndim - 1) c /= group;
+    off += c * strides[d];
+  }
+  return off;
+}
+SDPA_MATH_D int64_t lead_off(const DevProblem& p, const DevOperand& op, int64_t lead) {
+  return unravel(p, op.lead, op.head_group, lead);
+}
+SDPA_MATH_D int64_t dense_lead_off(const DevProblem& p, const DevOperand& op, int64_t lead) {
+  return unravel(p, op.dense_lead, op.head_group, lead);
+}
+
+// Any floating (or bool) element to Acc, and back.
+template <typename Acc>
+SDPA_MATH_D Acc load_elem(DType t, const char* base, int64_t i) {
+  switch (t) {
+    case DType::Float16: return static_cast<Acc>(__half2float(reinterpret_cast<const __half*>(base)[i]));
+    case DType::BFloat16: return static_cast<Acc>(__bfloat162float(reinterpret_cast<const __nv_bfloat16*>(base)[i]));
+    case DType::Float32: return static_cast<Acc>(reinterpret_cast<const float*>(base)[i]);
+    case DType::Float64: return static_cast<Acc>(reinterpret_cast<const double*>(base)[i]);
+    case DType::Bool: return reinterpret_cast<const uint8_t*>(base)[i] != 0 ? Acc(1) : Acc(0);
+    default: return Acc(0);
+  }
+}
+template <typename Acc>
+SDPA_MATH_D void store_elem(DType t, char* base, int64_t i, Acc v) {
+  switch (t) {
+    case DType::Float16: reinterpret_cast<__half*>(base)[i] = __float2half_rn(static_cast<float>(v)); break;
+    case DType::BFloat16: reinterpret_cast<__nv_bfloat16*>(base)[i] = __float2bfloat16_rn(static_cast<float>(v)); break;
+    case DType::Float32: reinterpret_cast<float*>(base)[i] = static_cast<float>(v); break;
+    case DType::Float64: reinterpret_cast<double*>(base)[i] = static_cast<double>(v); break;
+    default: break;
+  }
+}
+
+template <typename Acc>
+SDPA_MATH_D Acc neg_inf() { return -static_cast<Acc>(INFINITY); }
+
+// Contract §3-§5: the logit of (i, j) from the raw dot product q_i . k_j.
+// mask_base is lead_off(mask) for the row's lead index.
+template <typename Acc>
+SDPA_MATH_D Acc masked_logit(const DevProblem& p, Acc dot, int64_t mask_base, int64_t i, int64_t j) {
+  if (p.causal && j > i) return neg_inf<Acc>();
+  Acc s = dot * static_cast<Acc>(p.scale);
+  if (p.mask.data != nullptr) {
+    const Acc m = load_elem<Acc>(p.mask.dtype, p.mask.data, mask_base + i * p.mask.row + j * p.mask.col);
+    if (p.mask_is_bool) return m != Acc(0) ? s : neg_inf<Acc>();
+    s += m;
+  }
+  return s;
+}
+
+// Contract §6: softmax from the row's log-sum-exp; a fully masked row (lse = -inf) is zeros.
+template <typename Acc>
+SDPA_MATH_D Acc prob_from_lse(Acc logit, Acc lse) {
+  if (lse == neg_inf<Acc>()) return Acc(0);
+  if constexpr (sizeof(Acc) == 8) return exp(logit - lse);
+  else return __expf(logit - lse);
+}
+
+// The same from the row's max and sum, as the forward has them: exact also where m + log(l)
+// rounds to m (rows whose logits are all near finfo.min).
+template <typename Acc>
+SDPA_MATH_D Acc prob_from_max_sum(Acc logit, Acc m, Acc l) {
+  if (!(l > Acc(0))) return Acc(0);
+  if constexpr (sizeof(Acc) == 8) return exp(logit - m) / l;
+  else return __expf(logit - m) / l;
+}
+
+// Contract §8/§9: the keep mask M of element (lead, i, j) as 0/1 (1 without dropout).
+template <typename Acc>
+SDPA_MATH_D Acc keep_of(const DevProblem& p, int64_t dmask_base, int64_t lead, int64_t i, int64_t j) {
+  switch (p.dropout) {
+    case Dropout::ExplicitMask:
+      return load_elem<Acc>(p.dmask.dtype, p.dmask.data, dmask_base + i * p.dmask.row + j * p.dmask.col) != Acc(0)
+                 ? Acc(1) : Acc(0);
+    case Dropout::Random: {
+      const uint64_t n = static_cast<uint64_t>((lead * p.L + i) * p.S + j);
+      return dropout_keep(p.seed, p.offset, n, p.drop_threshold) ? Acc(1) : Acc(0);
+    }
+    default: return Acc(1);
+  }
+}
+
+// What forward returns as P for softmax value a and keep m, and W, the weight on V before the
+// final factor (explicit-mask dropout scales O by c once at the end, as native does).
+template <typename Acc>
+SDPA_MATH_D Acc returned_prob(const DevProblem& p, Acc a, Acc m) {
+  if (p.dropout == Dropout::Random) return a * m * static_cast<Acc>(p.keep_scale);
+  return a * m;
+}
+template <typename Acc>
+SDPA_MATH_D Acc output_factor(const DevProblem& p) {
+  return p.dropout == Dropout::ExplicitMask ? static_cast<Acc>(p.keep_scale) : Acc(1);
+}
+
+// Contract §11: dA from g = (dO . v_j) and dP, and the weight W_ij that multiplied V
+// (dV = W^T dO).
+template <typename Acc>
+SDPA_MATH_D Acc grad_softmax(const DevProblem& p, Acc g, Acc dp, Acc m) {
+  const Acc c = static_cast<Acc>(p.keep_scale);
+  switch (p.dropout) {
+    case Dropout::ExplicitMask: return m * (c * g + dp);
+    case Dropout::Random: return c * m * (g + dp);
+    default: return g + dp;
+  }
+}
+template <typename Acc>
+SDPA_MATH_D Acc value_weight(const DevProblem& p, Acc a, Acc m) {
+  return p.dropout == Dropout::None ? a : a * m * static_cast<Acc>(p.keep_scale);
+}
+
+}  // namespace sdpa_math::cuda

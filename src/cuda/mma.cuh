@@ -1,0 +1,184 @@
+// Warp-level tensor-core pieces shared by the forward and backward kernels: the m16n8k16 product
+// with fp32 accumulation, fp32 <-> packed 16-bit conversions, and tile loads into shared memory.
+//
+// Fragment layout of mma.m16n8k16 (lane = 4 g + t): A (16x16, row-major) a0 = (g, 2t..2t+1),
+// a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..); B (16x8, k-major) b0 = (k 2t..2t+1, n g),
+// b1 = (k 2t+8.., n g); C (16x8) c0,c1 = (g, 2t..2t+1), c2,c3 = (g+8, 2t..2t+1).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "device_problem.cuh"
+
+namespace sdpa_math::cuda {
+
+template <typename T>
+SDPA_MATH_D void mma_16816(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1);
+
+template <>
+SDPA_MATH_D void mma_16816<__half>(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <>
+SDPA_MATH_D void mma_16816<__nv_bfloat16>(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <typename T>
+SDPA_MATH_D T from_float(float x);
+template <>
+SDPA_MATH_D __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <>
+SDPA_MATH_D __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+template <typename T>
+SDPA_MATH_D float to_float(T x);
+template <>
+SDPA_MATH_D float to_float<__half>(__half x) { return __half2float(x); }
+template <>
+SDPA_MATH_D float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+// Two fp32 values rounded and packed (lo in the low half), as a fragment register holds them:
+// one cvt instruction for the pair.
+template <typename T>
+SDPA_MATH_D uint32_t pack2(float lo, float hi);
+template <>
+SDPA_MATH_D uint32_t pack2<__half>(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+template <>
+SDPA_MATH_D uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+// The two values of a packed pair, back to fp32.
+template <typename T>
+SDPA_MATH_D float unpack_lo(uint32_t v) {
+  const uint16_t b = static_cast<uint16_t>(v & 0xffffu);
+  return to_float<T>(*reinterpret_cast<const T*>(&b));
+}
+template <typename T>
+SDPA_MATH_D float unpack_hi(uint32_t v) {
+  const uint16_t b = static_cast<uint16_t>(v >> 16);
+  return to_float<T>(*reinterpret_cast<const T*>(&b));
+}
+
+// 2^x on the special-function unit (relative error ~2^-22; 2^-inf = 0).
+SDPA_MATH_D float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Two 16-bit values from two places.
+SDPA_MATH_D uint32_t pack_raw(const uint16_t* lo, const uint16_t* hi) {
+  return static_cast<uint32_t>(*lo) | (static_cast<uint32_t>(*hi) << 16);
+}
+SDPA_MATH_D uint32_t load32(const void* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+// Whether an operand's rows can be moved `vec` elements at a time: unit column stride, and
+// every row start aligned to vec elements (strides, base pointer and row length).
+inline bool rows_vectorizable(const DevOperand& op, int lead_ndim, int64_t cols, int elem_bytes, int vec) {
+  if (op.data == nullptr || op.col != 1 || op.row % vec != 0 || cols % vec != 0) return false;
+  for (int d = 0; d < lead_ndim; ++d)
+    if (op.lead[d] % vec != 0) return false;
+  return reinterpret_cast<uintptr_t>(op.data) % (static_cast<uintptr_t>(vec) * elem_bytes) == 0;
+}
+
+// Loads a ROWS x COLS tile of 16-bit elements (rows `r0..`, columns `c0..` of an operand based at
+// `base`) into shared memory with leading dimension LD; out-of-range elements become zero.
+// TRANSPOSE stores element (r, c) at s[c * LD + r].
+template <typename T, int ROWS, int COLS, int LD, int THREADS, bool TRANSPOSE>
+SDPA_MATH_D void load_tile(T* s, const DevOperand& op, int64_t base, int64_t r0, int64_t rows, int64_t cols,
+                           bool vec) {
+  const T* g = reinterpret_cast<const T*>(op.data);
+  const T zero = from_float<T>(0.0f);
+  if (vec) {
+    constexpr int kChunks = COLS / 8;
+    for (int idx = threadIdx.x; idx < ROWS * kChunks; idx += THREADS) {
+      const int r = idx / kChunks, c = (idx % kChunks) * 8;
+      uint4 val = make_uint4(0, 0, 0, 0);
+      if (r0 + r < rows && c < cols) val = *reinterpret_cast<const uint4*>(g + base + (r0 + r) * op.row + c);
+      if constexpr (TRANSPOSE) {
+        const T* e = reinterpret_cast<const T*>(&val);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) s[(c + k) * LD + r] = e[k];
+      } else {
+        *reinterpret_cast<uint4*>(s + r * LD + c) = val;
+      }
+    }
+  } else {
+    for (int idx = threadIdx.x; idx < ROWS * COLS; idx += THREADS) {
+      const int r = idx / COLS, c = idx % COLS;
+      T val = zero;
+      if (r0 + r < rows && c < cols) val = g[base + (r0 + r) * op.row + c * op.col];
+      if constexpr (TRANSPOSE) s[c * LD + r] = val;
+      else s[r * LD + c] = val;
+    }
+  }
+}
+
+}  // namespace sdpa_math::cuda
+
+namespace sdpa_math::cuda {
+
+// B fragment (b0, b1) of m16n8k16 from a row-major [k][n] tile in shared memory: rows k0..k0+15,
+// columns n0..n0+7 (`row0` points at element (k0, n0), ld in elements, 16-byte aligned rows).
+template <typename T>
+SDPA_MATH_D void load_b_trans(const T* row0, int ld, int lane, uint32_t& b0, uint32_t& b1) {
+  const T* addr = row0 + (lane & 15) * ld;
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(addr));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(b0), "=r"(b1) : "r"(s));
+}
+
+}  // namespace sdpa_math::cuda
+
+namespace sdpa_math::cuda {
+
+// Asynchronous 16-byte global -> shared copies (sm_80+): a tile's loads are all in flight at
+// once and overlap the products on the previous tile. pred = false writes zeros.
+SDPA_MATH_D void cp_async16(void* smem, const void* gmem, bool pred) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const int bytes = pred ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
+}
+SDPA_MATH_D void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+SDPA_MATH_D void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// Starts loading a ROWS x COLS tile like load_tile (not transposed). Rows that cannot move 16
+// bytes at a time (`vec` false) are loaded synchronously instead; either way the tile is in
+// shared memory after the matching cp_async_wait and a __syncthreads.
+template <typename T, int ROWS, int COLS, int LD, int THREADS>
+SDPA_MATH_D void load_tile_async(T* s, const DevOperand& op, int64_t base, int64_t r0, int64_t rows, int64_t cols,
+                                 bool vec) {
+  if (!vec) {
+    load_tile<T, ROWS, COLS, LD, THREADS, false>(s, op, base, r0, rows, cols, false);
+    return;
+  }
+  const T* g = reinterpret_cast<const T*>(op.data);
+  constexpr int kChunks = COLS / 8;
+  static_assert((ROWS * kChunks) % THREADS == 0, "tile chunks must divide among the threads");
+#pragma unroll
+  for (int it = 0; it < ROWS * kChunks / THREADS; ++it) {
+    const int idx = it * THREADS + threadIdx.x;
+    const int r = idx / kChunks, c = (idx % kChunks) * 8;
+    const bool ok = r0 + r < rows && c < cols;
+    cp_async16(s + r * LD + c, ok ? g + base + (r0 + r) * op.row + c : g, ok);
+  }
+}
+
+}  // namespace sdpa_math::cuda

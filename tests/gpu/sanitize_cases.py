@@ -1,0 +1,53 @@
+"""A few forward+backward calls of every CUDA kernel family, small enough to run under
+compute-sanitizer (memcheck, racecheck): tails in L and S, padded head sizes, masks, causal,
+GQA, dropout, strided inputs, fp16/bf16 (tensor cores) and fp32/fp64 (generic path).
+
+    compute-sanitizer --tool memcheck python3 tests/gpu/sanitize_cases.py
+"""
+import torch
+
+import sdpa_math
+
+
+def run(dtype, B, Hq, Hkv, L, S, E, Ev, causal=False, mask=None, dropout=0.0, transposed=False):
+    gen = torch.Generator(device="cuda").manual_seed(L * 1000 + S)
+
+    def t(*shape):
+        if transposed:
+            x = torch.randn(*shape[:-2], shape[-1], shape[-2], device="cuda", dtype=dtype, generator=gen)
+            return x.transpose(-1, -2).requires_grad_(True)
+        return torch.randn(*shape, device="cuda", dtype=dtype, generator=gen).requires_grad_(True)
+
+    q, k, v = t(B, Hq, L, E), t(B, Hkv, S, E), t(B, Hkv, S, Ev)
+    m = None
+    if mask == "float":
+        m = torch.randn(B, 1, L, S, device="cuda", dtype=dtype, generator=gen).requires_grad_(True)
+    elif mask == "bool":
+        m = torch.rand(L, S, device="cuda", generator=gen) < 0.7
+        m[1] = False
+    out, probs = sdpa_math.attention(q, k, v, m, dropout, causal, enable_gqa=Hq != Hkv)
+    leaves = [q, k, v] + ([m] if m is not None and m.is_floating_point() else [])
+    torch.autograd.grad((out, probs), leaves, (torch.randn_like(out), torch.randn_like(probs)))
+    # and each output alone (the dO-only and dP-only paths)
+    out, probs = sdpa_math.attention(q, k, v, m, dropout, causal, enable_gqa=Hq != Hkv)
+    torch.autograd.grad(out, leaves, torch.randn_like(out), retain_graph=True)
+    torch.autograd.grad(probs, leaves, torch.randn_like(probs))
+
+
+def main():
+    for dtype in (torch.float16, torch.bfloat16):
+        run(dtype, 1, 2, 2, 70, 133, 64, 64)
+        run(dtype, 1, 2, 2, 65, 65, 128, 128, causal=True)
+        run(dtype, 2, 4, 2, 33, 47, 96, 96, mask="float")
+        run(dtype, 1, 2, 2, 17, 90, 256, 256, mask="bool", dropout=0.2)
+        run(dtype, 1, 2, 2, 20, 30, 40, 24, transposed=True)
+        run(dtype, 1, 2, 1, 1, 300, 128, 128)
+    for dtype in (torch.float32, torch.float64):
+        run(dtype, 1, 2, 2, 9, 13, 20, 12, mask="float")
+        run(dtype, 1, 2, 1, 8, 11, 16, 16, causal=True, dropout=0.3)
+    torch.cuda.synchronize()
+    print("sanitize_cases: all calls finished")
+
+
+if __name__ == "__main__":
+    main()

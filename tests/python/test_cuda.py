@@ -1,0 +1,186 @@
+"""The CUDA backend against the float64 reference and PyTorch's native op, on the GPU.
+
+Skipped where there is no CUDA device. Every output buffer starts as NaN
+(SDPA_MATH_POISON_OUTPUTS=1), so an element a kernel fails to write fails the comparison.
+fp16/bf16 take the tensor-core kernels (head sizes up to 256), fp32 and float64 the generic path.
+"""
+import zlib
+
+import pytest
+import torch
+
+import sdpa_math
+from cases import Case, build, cases
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+aten_math = torch.ops.aten._scaled_dot_product_attention_math
+
+# Forward tolerance against float64, per dtype (rtol, atol). fp16/bf16: P is one rounding of an
+# fp32 value; O comes from P rounded to the input dtype (as in flash attention), so its atol is
+# scaled by max|V|.
+TOL = {torch.float64: (1e-10, 1e-12), torch.float32: (2e-5, 2e-6), torch.float16: (2e-3, 2e-5),
+       torch.bfloat16: (1.6e-2, 2e-4)}
+# Backward: ||got - ref|| / (||ref|| + atol * sqrt(n)) per gradient. fp16/bf16 round dS and W to
+# the input dtype for the tensor-core products and take rowsum(A . dA) as dO . O + P . dP with the
+# rounded O, so a gradient that is exactly zero in float64 (S = 1: dS = 0) is a few units of
+# that rounding in fp16/bf16: hence the absolute part.
+GRAD_TOL = {torch.float64: (1e-10, 1e-13), torch.float32: (2e-5, 1e-6), torch.float16: (6e-3, 4e-3),
+            torch.bfloat16: (4e-2, 3e-2)}
+DTYPES = list(TOL)
+ids = lambda d: str(d).split(".")[-1]  # noqa: E731
+
+
+@pytest.fixture(autouse=True)
+def _poison_outputs(monkeypatch):
+    monkeypatch.setenv("SDPA_MATH_POISON_OUTPUTS", "1")
+
+
+def _to_cpu64(t):
+    return None if t is None else (t.detach().cpu().double() if t.is_floating_point() else t.cpu())
+
+
+def _reference(args, kwargs):
+    """sdpa_math on the CPU in float64 is the reference (src/reference)."""
+    q, k, v, mask, p, causal, dmask = args
+    return sdpa_math.attention(_to_cpu64(q), _to_cpu64(k), _to_cpu64(v), _to_cpu64(mask), p, causal,
+                               _to_cpu64(dmask), **kwargs)
+
+
+def _native(args, kwargs, dtype):
+    q, k, v, mask, p, causal, dmask = args
+    up = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    cast = lambda t: None if t is None else (t.to(up) if t.is_floating_point() else t)  # noqa: E731
+    if mask is not None and mask.dtype == torch.bool:  # contract §5: the public API's conversion
+        mask = torch.zeros(mask.shape, dtype=up, device=mask.device).masked_fill(~mask, float("-inf"))
+    return aten_math(cast(q), cast(k), cast(v), cast(mask), p, causal, cast(dmask), **kwargs)
+
+
+def _seed(case):
+    return zlib.crc32(case.id.encode())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+@pytest.mark.parametrize("case", cases(), ids=lambda c: c.id)
+def test_forward_matches_reference_and_native(case, dtype):
+    args, kwargs = build(case, dtype, seed=_seed(case), device="cuda")
+    out, probs = sdpa_math.attention(*args, **kwargs)
+    assert out.is_cuda and out.dtype == dtype and probs.dtype == dtype
+    rtol, atol = TOL[dtype]
+    scale_v = max(args[2].abs().max().item(), 1.0)
+    ref_out, ref_probs = _reference(args, kwargs)
+    torch.testing.assert_close(probs.cpu().double(), ref_probs, rtol=rtol, atol=atol)
+    torch.testing.assert_close(out.cpu().double(), ref_out, rtol=rtol, atol=atol * scale_v * 10)
+    nat_out, nat_probs = _native(args, kwargs, dtype)
+    torch.testing.assert_close(probs.to(nat_probs.dtype), nat_probs, rtol=rtol, atol=atol)
+    torch.testing.assert_close(out.to(nat_out.dtype), nat_out, rtol=rtol, atol=atol * scale_v * 10)
+
+
+def _grad_err(a, b, atol):
+    a, b = a.detach().cpu().double(), b.detach().cpu().double()
+    return ((a - b).norm() / (b.norm() + atol * b.numel() ** 0.5)).item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+@pytest.mark.parametrize("case", cases(), ids=lambda c: c.id)
+def test_backward_matches_reference(case, dtype):
+    """dQ, dK, dV (and a float mask's gradient) from random dO and dP, against float64."""
+    args, kwargs = build(case, dtype, seed=_seed(case), device="cuda")
+    q, k, v, mask, p, causal, dmask = args
+    float_mask = mask is not None and mask.is_floating_point()
+
+    def grads(q, k, v, mask, dmask):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        m = mask.detach().clone().requires_grad_(True) if float_mask else mask
+        out, probs = sdpa_math.attention(*leaves, m, p, causal, dmask, **kwargs)
+        gen = torch.Generator().manual_seed(_seed(case) + 1)
+        g_out = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(out)
+        g_probs = torch.randn(probs.shape, generator=gen, dtype=torch.float64).to(probs)
+        wrt = leaves + ([m] if float_mask else [])
+        return torch.autograd.grad((out, probs), wrt, (g_out, g_probs))
+
+    got = grads(q, k, v, mask, dmask)
+    ref = grads(*(_to_cpu64(t) for t in (q, k, v, mask, dmask)))
+    for name, a, b in zip(("dq", "dk", "dv", "dmask"), got, ref):
+        # The looser of the inputs' dtype (the arithmetic) and the gradient's own (a mask's
+        # gradient has the mask's dtype: fp32 for fmin_rows whatever the inputs).
+        rtol, atol = max(GRAD_TOL[dtype], GRAD_TOL[a.dtype])
+        assert torch.isfinite(a).all(), name
+        assert _grad_err(a, b, atol) <= rtol, (name, _grad_err(a, b, atol))
+
+
+GRADCHECK_CASES = [Case(batch=(1,), L=5, S=6, E=4, Ev=3),
+                   Case(batch=(1,), L=5, S=6, E=4, Ev=3, mask="float"),
+                   Case(batch=(1,), L=6, S=6, E=4, Ev=4, causal=True),
+                   Case(batch=(1,), hq=4, hkv=2, gqa=True, L=4, S=5, E=4, Ev=4),
+                   Case(batch=(1,), L=5, S=6, E=4, Ev=4, dropout="explicit_bool", mask="bool_rows"),
+                   Case(batch=(1,), L=5, S=7, E=4, Ev=4, layout="transposed")]
+
+
+@pytest.mark.parametrize("case", GRADCHECK_CASES, ids=lambda c: c.id)
+def test_gradcheck_float64_cuda_through_o_and_p(case):
+    args, kwargs = build(case, torch.float64, seed=_seed(case), device="cuda")
+    q, k, v, mask, p, causal, dmask = args
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    if mask is not None and mask.is_floating_point():
+        leaves.append(mask.detach().clone().requires_grad_(True))
+
+    def fn(q, k, v, *m):
+        return sdpa_math.attention(q, k, v, m[0] if m else mask, p, causal, dmask, **kwargs)
+
+    assert torch.autograd.gradcheck(fn, leaves, eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=ids)
+def test_random_dropout_same_mask_on_cpu_and_cuda(dtype):
+    args, kwargs = build(Case(hq=3, hkv=3, L=37, S=70, E=64, Ev=64), dtype, seed=5, device="cuda")
+    q, k, v = args[:3]
+    cuda = sdpa_math.attention_with_lse(q, k, v, None, 0.3, False, None, seed=987654321, offset=12)
+    cpu = sdpa_math.attention_with_lse(q.cpu(), k.cpu(), v.cpu(), None, 0.3, False, None, seed=987654321, offset=12)
+    dropped_cuda, dropped_cpu = cuda[1].cpu() == 0, cpu[1] == 0
+    assert dropped_cpu.float().mean().item() > 0.2
+    assert torch.equal(dropped_cuda, dropped_cpu)
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(cuda[1].cpu().float(), cpu[1].float(), rtol=rtol, atol=atol)
+
+
+def test_long_rows_past_2_pow_31_elements_per_batch_index_do_not_wrap():
+    """P of (1, 2, 32768, 32768) fp16: the second head's P starts at element 2^31."""
+    free, _ = torch.cuda.mem_get_info()
+    if free < 12 * 2**30:
+        pytest.skip("needs 12 GB of free device memory")
+    L = S = 32768
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(1, 2, L, 64, device="cuda", dtype=torch.float16, generator=gen)
+    k = torch.randn(1, 2, S, 64, device="cuda", dtype=torch.float16, generator=gen)
+    v = torch.randn(1, 2, S, 64, device="cuda", dtype=torch.float16, generator=gen)
+    out, probs = sdpa_math.attention(q, k, v)
+    rows = torch.tensor([0, 12345, L - 1], device="cuda")
+    for h in range(2):  # rows of each head recomputed on their own
+        o_ref, p_ref = sdpa_math.attention(q[:, h:h + 1, rows], k[:, h:h + 1], v[:, h:h + 1])
+        torch.testing.assert_close(probs[:, h:h + 1, rows], p_ref, rtol=0, atol=0)
+        torch.testing.assert_close(out[:, h:h + 1, rows], o_ref, rtol=0, atol=0)
+
+
+def test_override_takes_cuda_calls_with_grad():
+    args, kwargs = build(Case(hq=4, hkv=4, L=33, S=40, E=64, Ev=64, mask="float_pad"), torch.float16, seed=3,
+                         device="cuda")
+    q, k, v = (t.detach().requires_grad_(True) for t in args[:3])
+    direct_out, direct_probs = sdpa_math.attention(q, k, v, args[3])
+    before = sdpa_math.interceptions()
+    with sdpa_math.override():
+        out, probs = aten_math(q, k, v, args[3])
+        (out.float().sum() + (probs.float() ** 2).sum()).backward()
+    assert sdpa_math.interceptions() == before + 1
+    assert torch.equal(out, direct_out) and torch.equal(probs, direct_probs)
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_empty_dims_on_cuda():
+    for shape_q, shape_k in [((0, 2, 5, 8), (0, 2, 6, 8)), ((1, 2, 0, 8), (1, 2, 6, 8)), ((1, 2, 5, 8), (1, 2, 0, 8))]:
+        q = torch.randn(shape_q, device="cuda", dtype=torch.float16)
+        k = torch.randn(shape_k, device="cuda", dtype=torch.float16)
+        out, probs = sdpa_math.attention(q, k, k)
+        nat_out, nat_probs = aten_math(q.float(), k.float(), k.float())
+        assert out.shape == nat_out.shape and probs.shape == nat_probs.shape
+        torch.testing.assert_close(out.float(), nat_out.nan_to_num(), rtol=0, atol=0, equal_nan=True)
