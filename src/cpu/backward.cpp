@@ -42,7 +42,6 @@ void backward(const core::Problem& p, const BackwardArgs& args, const BackwardOu
   const bool want_mask = out.grad_attn_mask.has_value();
   const core::Operand dO = has_dO ? core::output_operand(p, *args.grad_output, true) : core::Operand{};
   const core::Operand dP = has_dP ? core::output_operand(p, *args.grad_probs, true) : core::Operand{};
-  const core::Operand LSE = core::output_operand(p, args.logsumexp, false);
   const int64_t block = rows_per_block(S);
   const int64_t blocks_per_head = (p.L + block - 1) / block;
   const int64_t tasks = p.num_lead * blocks_per_head;
@@ -97,7 +96,6 @@ void backward(const core::Problem& p, const BackwardArgs& args, const BackwardOu
       } else {
         std::fill(dA.begin(), dA.end(), 0.0f);
       }
-      const int64_t l_at = core::lead_offset(p, LSE, lead);
       const int64_t dp_at = has_dP ? core::lead_offset(p, dP, lead) : 0;
       const int64_t gm_at = want_mask ? core::dense_lead_offset(p, p.attn_mask, lead) : 0;
       for (int64_t r = 0; r < rows; ++r) {
@@ -105,10 +103,10 @@ void backward(const core::Problem& p, const BackwardArgs& args, const BackwardOu
         float* a = A.data() + r * S;
         float* da = dA.data() + r * S;
         float* w = W.data() + r * S;
-        float lse;
-        load_row(LSE.dtype, LSE.data, l_at + i * LSE.row_stride, 1, 1, &lse);
         ctx.mask_scores(i, a, cols, tmp.data());
-        probs_from_lse(a, cols, lse);
+        // The softmax again, as the forward took it (max, sum, divide), not exp(s - lse): where
+        // every logit is near finfo.min, lse rounds to the max and would lose the 1/sum.
+        softmax_row(a, cols);
         if (has_dP) load_row(dP.dtype, dP.data, dp_at + i * dP.row_stride, dP.col_stride, cols, dp.data());
         else std::fill(dp.begin(), dp.begin() + cols, 0.0f);
         ctx.keep_row(i, keep.data(), cols);

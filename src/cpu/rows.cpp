@@ -188,15 +188,6 @@ float softmax_row(float* x, int64_t n) {
   return m + std::log(sum);
 }
 
-void probs_from_lse(float* x, int64_t n, float lse) {
-  if (lse == kNegInf) {
-    std::fill(x, x + n, 0.0f);
-    return;
-  }
-  for (int64_t j = 0; j < n; ++j) x[j] -= lse;
-  exp_rows(x, n);
-}
-
 int threads_for(int64_t tasks) {
   int t = cpu_threads();
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(t, tasks)));

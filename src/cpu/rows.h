@@ -37,8 +37,6 @@ struct RowContext {
 // -inf, and then the row is all zeros: contract §6).
 float softmax_row(float* x, int64_t n);
 
-// Softmax recomputed from a stored log-sum-exp: x = exp(x - lse), zeros when lse = -inf.
-void probs_from_lse(float* x, int64_t n, float lse);
 
 // Threads to use for `tasks` independent tasks.
 int threads_for(int64_t tasks);

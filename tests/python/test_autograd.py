@@ -103,3 +103,21 @@ def test_no_grad_and_inference_mode_save_nothing():
     assert out.grad_fn is None and not out.requires_grad
     out, probs = sdpa_math.attention(q, k, v)
     assert out.grad_fn is not None and probs.grad_fn is not None
+
+
+def test_backward_of_rows_near_finfo_min_matches_float64():
+    """A row masked entirely with finfo.min has uniform P = 1/S; exp(s - lse) would give 1 there
+    (lse rounds to the max), so backward must not rebuild A from lse."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, n, 16, generator=gen, dtype=torch.float64) for n in (9, 13, 13))
+    mask = torch.randn(9, 13, generator=gen, dtype=torch.float64)
+    mask[::3] = torch.finfo(torch.float32).min
+    g_out, g_probs = torch.randn(1, 2, 9, 16, generator=gen), torch.randn(1, 2, 9, 13, generator=gen)
+
+    def grads(dtype):
+        leaves = [t.to(dtype).requires_grad_(True) for t in (q, k, v)]
+        out, probs = sdpa_math.attention(*leaves, mask.to(dtype))
+        return torch.autograd.grad((out, probs), leaves, (g_out.to(dtype), g_probs.to(dtype)))
+
+    for got, ref in zip(grads(torch.float32), grads(torch.float64)):
+        assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-5
