@@ -1,0 +1,556 @@
+"""Side-by-side benchmark of attention that returns P, and the performance gate.
+
+    python -m sdpa_math.bench run  [--device cpu|cuda] [--set NAME] [--dtypes ...] [--out DIR]
+    python -m sdpa_math.bench gate RUN.json BASELINE.json [--threshold F]
+
+`run` times, in one process and on one device, forward (O, P) and forward+backward through both
+outputs (random dO and dP) of:
+  ours      sdpa_math.attention
+  override  aten::_scaled_dot_product_attention_math under sdpa_math.enable() (checks that the
+            override really took the call)
+  native    aten::_scaled_dot_product_attention_math, default settings
+  native16  the same with fp16/bf16 reduction allowed (CUDA, fp16/bf16 only)
+  eager     attention as Hugging Face models write it (fp32 softmax)
+  compiled  torch.compile of `eager`
+  lse       O and log-sum-exp from PyTorch's fused kernel, then P = exp(scale QK^T + mask - lse)
+  flash     PyTorch's fused kernel without P: the speed of light, not a competitor
+It measures the machine's ceilings in the same run (a large copy, a large matrix product), gives
+each shape's roofline floor and the fraction of it reached, the peak extra device memory and the
+relative error of O and P against a float64 reference, and writes bench.json (every raw number,
+the machine and software), bench.md (tables) and, for a sweep, speedup.png.
+
+`gate` compares a run with a committed baseline of the same device profile and prints
+`FAIL n · WARN n`: it judges same-run ratios only (ours against native, ours against the floor),
+never absolute times across runs.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import hashlib
+import json
+import math
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import sdpa_math
+
+aten_math = torch.ops.aten._scaled_dot_product_attention_math
+
+# ---------------------------------------------------------------------------------------------
+# Shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    name: str
+    B: int
+    Hq: int
+    Hkv: int
+    L: int
+    S: int
+    D: int
+    causal: bool = False
+
+    def p_elems(self):
+        return self.B * self.Hq * self.L * self.S
+
+
+# The seven anchor shapes of shared/docs/design.md (GPU).
+ANCHORS = [
+    Shape("prefill1k_d64", 4, 16, 16, 1024, 1024, 64),
+    Shape("prefill1k_d128", 4, 16, 16, 1024, 1024, 128),
+    Shape("prefill2k_d128_causal", 2, 16, 16, 2048, 2048, 128, True),
+    Shape("gqa1k_d128", 4, 32, 8, 1024, 1024, 128),
+    Shape("decode_s2k_d128", 32, 32, 32, 1, 2048, 128),
+    Shape("tail100_d64", 8, 16, 16, 100, 1100, 64),
+    Shape("long4k_d128_causal", 1, 32, 32, 4096, 4096, 128, True),
+]
+# Sized for a 2-core CPU: each forward takes milliseconds, not seconds.
+CPU_SET = [
+    Shape("cpu_256_d64", 1, 8, 8, 256, 256, 64),
+    Shape("cpu_512_d64", 2, 8, 8, 512, 512, 64),
+    Shape("cpu_512_d128_causal", 1, 8, 8, 512, 512, 128, True),
+    Shape("cpu_gqa512_d64", 1, 8, 2, 512, 512, 64),
+    Shape("cpu_decode_s2k_d64", 4, 8, 8, 1, 2048, 64),
+    Shape("cpu_tail100_d64", 2, 8, 8, 100, 300, 64),
+]
+# CI's gate: small and quick, still well past timer resolution.
+CI_SET = [
+    Shape("ci_256_d64", 1, 4, 4, 256, 256, 64),
+    Shape("ci_384_d64_causal", 1, 4, 4, 384, 384, 64, True),
+    Shape("ci_gqa256_d64", 1, 8, 2, 256, 256, 64),
+]
+
+
+def sweep(device):
+    lengths = [256, 512, 1024, 2048, 4096] if device == "cuda" else [64, 128, 256, 512, 1024]
+    heads = 16 if device == "cuda" else 4
+    return [Shape(f"sweep_{n}_d64", 1 if device == "cpu" else 4, heads, heads, n, n, 64) for n in lengths]
+
+
+SETS = {"anchors": lambda d: ANCHORS, "cpu": lambda d: CPU_SET, "ci": lambda d: CI_SET, "sweep": sweep,
+        "anchors+sweep": lambda d: ANCHORS + sweep(d), "cpu+sweep": lambda d: CPU_SET + sweep(d)}
+
+# ---------------------------------------------------------------------------------------------
+# Implementations: each maps (q, k, v, shape) to (O, P) or O alone (flash).
+
+
+def _repeat_kv(x, n):
+    return x if n == 1 else x.repeat_interleave(n, dim=1)
+
+
+def eager_attention(q, k, v, causal, scale):
+    """Attention as Hugging Face's eager path writes it: fp32 softmax, cast back, then P V."""
+    g = q.shape[1] // k.shape[1]
+    k, v = _repeat_kv(k, g), _repeat_kv(v, g)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if causal:
+        L, S = q.shape[-2], k.shape[-2]
+        hidden = torch.ones(L, S, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(hidden, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v), probs
+
+
+def _lse_then_probs(q, k, v, causal, scale):
+    g = q.shape[1] // k.shape[1]
+    if q.is_cuda:
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, _repeat_kv(k, g), _repeat_kv(v, g), None,
+                                                                          True, 0.0, causal, scale=scale)[:2]
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, _repeat_kv(k, g), _repeat_kv(v, g),
+                                                                              0.0, causal, scale=scale)
+    scores = torch.matmul(q, _repeat_kv(k, g).transpose(-1, -2)).float() * scale
+    if causal:
+        L, S = q.shape[-2], k.shape[-2]
+        scores = scores.masked_fill(torch.ones(L, S, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    # The fused kernels may pad lse's rows (to a multiple of 32 on CUDA).
+    probs = torch.exp(scores - lse[..., : q.shape[-2]].float().unsqueeze(-1)).to(q.dtype)
+    return out, probs
+
+
+class Impls:
+    def __init__(self, device):
+        self.device = device
+        # One compiled graph per shape, dtype and grad mode: allow enough of them that no row
+        # silently falls back to eager.
+        torch._dynamo.config.cache_size_limit = 256
+        torch._dynamo.config.recompile_limit = 256
+        self._compiled = torch.compile(eager_attention, dynamic=False)
+
+    def names(self, dtype):
+        names = ["ours", "override", "native"]
+        if self.device == "cuda" and dtype in (torch.float16, torch.bfloat16):
+            names.append("native16")
+        return names + ["eager", "compiled", "lse", "flash"]
+
+    def call(self, name, q, k, v, s: Shape, scale):
+        gqa = s.Hq != s.Hkv
+        if name == "ours":
+            return sdpa_math.attention(q, k, v, is_causal=s.causal, scale=scale, enable_gqa=gqa)
+        if name == "override":
+            with sdpa_math.override():
+                return aten_math(q, k, v, None, 0.0, s.causal, scale=scale, enable_gqa=gqa)
+        if name == "native":
+            return aten_math(q, k, v, None, 0.0, s.causal, scale=scale, enable_gqa=gqa)
+        if name == "native16":
+            prev = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+            torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
+            try:
+                return aten_math(q, k, v, None, 0.0, s.causal, scale=scale, enable_gqa=gqa)
+            finally:
+                torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(prev)
+        if name == "eager":
+            return eager_attention(q, k, v, s.causal, scale)
+        if name == "compiled":
+            return self._compiled(q, k, v, s.causal, scale)
+        if name == "lse":
+            return _lse_then_probs(q, k, v, s.causal, scale)
+        if name == "flash":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=s.causal, scale=scale, enable_gqa=gqa)
+        raise KeyError(name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing, memory, ceilings
+
+
+def _sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def median_ms(fn, device, warmup=3, reps=10, budget_s=2.0):
+    """Median wall time of fn() in ms: CUDA events on the GPU, perf_counter on the CPU."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    start_all = time.perf_counter()
+    for _ in range(reps):
+        if device == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        if len(times) >= 3 and time.perf_counter() - start_all > budget_s:
+            break
+    return statistics.median(times), times
+
+
+def peak_extra_bytes(fn, device):
+    if device != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    result = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del result
+    return int(peak)
+
+
+def ceilings(device):
+    """Copy bandwidth (bytes read + written per second) and matrix-product rate, measured now."""
+    if device == "cuda":
+        n = 1 << 29  # 1 GiB of fp16... as bytes: 2^29 elements x 2 B
+        src = torch.empty(n, dtype=torch.float16, device="cuda")
+        dst = torch.empty_like(src)
+        t, _ = median_ms(lambda: dst.copy_(src), device, reps=20)
+        bw = 2 * src.numel() * 2 / (t * 1e-3)
+        a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+        b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+        t, _ = median_ms(lambda: a @ b, device, reps=20)
+        flops = 2 * 8192**3 / (t * 1e-3)
+        del src, dst, a, b
+        return {"copy_Bps": bw, "mm_flops": flops, "mm_dtype": "bfloat16"}
+    n = 1 << 26
+    src = torch.empty(n, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    t, _ = median_ms(lambda: dst.copy_(src), device, reps=10)
+    bw = 2 * n * 4 / (t * 1e-3)
+    a = torch.randn(1024, 1024)
+    b = torch.randn(1024, 1024)
+    t, _ = median_ms(lambda: a @ b, device, reps=10)
+    return {"copy_Bps": bw, "mm_flops": 2 * 1024**3 / (t * 1e-3), "mm_dtype": "float32"}
+
+
+def floor_ms(s: Shape, dtype, ceil):
+    """Roofline floor of a forward returning (O, P): the larger of the products' time at the
+    measured matrix rate and the time to move Q, K, V, O and P at the measured copy bandwidth.
+    Causal L = S halves the products. Forward+backward: three times the forward (twice the
+    products again, and P, dP read back)."""
+    es = torch.finfo(dtype).bits // 8
+    f = 0.5 if (s.causal and s.L == s.S) else 1.0
+    flops = 4 * s.B * s.Hq * s.L * s.S * s.D * f
+    bytes_ = es * (s.B * s.Hq * s.L * s.D * 2 + s.B * s.Hkv * s.S * s.D * 2 + s.p_elems())
+    fwd = max(flops / ceil["mm_flops"], bytes_ / ceil["copy_Bps"]) * 1e3
+    return {"fwd_ms": fwd, "fwdbwd_ms": 3 * fwd, "fwd_flops": flops, "bytes": bytes_}
+
+
+# ---------------------------------------------------------------------------------------------
+# One row
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def _inputs(s: Shape, dtype, device, seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    mk = lambda h, n: torch.randn(s.B, h, n, s.D, generator=gen, device=device, dtype=dtype)  # noqa: E731
+    return mk(s.Hq, s.L), mk(s.Hkv, s.S), mk(s.Hkv, s.S)
+
+
+def run_row(impls: Impls, s: Shape, dtype, device, ceil, reps, with_backward=True):
+    q, k, v = _inputs(s, dtype, device)
+    scale = 1.0 / math.sqrt(s.D)
+    row = {"shape": s.name, "dtype": str(dtype).split(".")[-1], **dataclasses.asdict(s),
+           "floor": floor_ms(s, dtype, ceil), "impls": {}}
+    ref_out, ref_probs = aten_math(q.double(), k.double(), v.double(), None, 0.0, s.causal, scale=scale,
+                                   enable_gqa=s.Hq != s.Hkv)
+    gen = torch.Generator(device=device).manual_seed(1)
+    g_out = torch.randn(ref_out.shape, generator=gen, device=device, dtype=dtype)
+    g_probs = torch.randn(ref_probs.shape, generator=gen, device=device, dtype=dtype)
+    for name in impls.names(dtype):
+        r = {}
+        try:
+            before = sdpa_math.interceptions()
+            with torch.no_grad():
+                res = impls.call(name, q, k, v, s, scale)
+            if name == "override":
+                r["override_took_call"] = sdpa_math.interceptions() == before + 1
+            out, probs = (res, None) if name == "flash" else res
+            r["rel_err_o"] = _rel(out, ref_out)
+            r["rel_err_p"] = None if probs is None else _rel(probs, ref_probs)
+            del res, out, probs
+
+            def fwd():
+                with torch.no_grad():
+                    return impls.call(name, q, k, v, s, scale)
+
+            r["fwd_ms"], r["fwd_samples"] = median_ms(fwd, device, reps=reps)
+            r["peak_extra_bytes"] = peak_extra_bytes(fwd, device)
+            if with_backward:
+                leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+
+                def fwdbwd():
+                    res = impls.call(name, *leaves, s, scale)
+                    if name == "flash":
+                        return torch.autograd.grad(res, leaves, g_out)
+                    return torch.autograd.grad(res, leaves, (g_out, g_probs))
+
+                r["fwdbwd_ms"], r["fwdbwd_samples"] = median_ms(fwdbwd, device, reps=reps)
+                r["fwdbwd_peak_extra_bytes"] = peak_extra_bytes(fwdbwd, device)
+        except Exception as e:  # a failing alternative is recorded, not fatal
+            r["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        row["impls"][name] = r
+    ours = row["impls"].get("ours", {})
+    row["speedup"] = {}
+    for phase in ("fwd_ms", "fwdbwd_ms"):
+        if phase not in ours:
+            continue
+        row["speedup"][phase] = {n: r[phase] / ours[phase] for n, r in row["impls"].items()
+                                 if n != "ours" and phase in r}
+        row["speedup"][phase]["floor"] = row["floor"][phase] / ours[phase]
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
+# Provenance: which code a run measured
+
+
+def code_hash():
+    """Hash of the sources that decide what is measured (the C++/CUDA core, the binding and the
+    Python package), taken from the source tree this module was imported from when it is one,
+    else from the installed package files."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    files = []
+    if (root / "src").is_dir() and (root / "python" / "sdpa_math").is_dir():
+        for sub in ("src", "include", "python/sdpa_math"):
+            files += [p for p in (root / sub).rglob("*") if p.is_file() and p.suffix in
+                      (".h", ".cuh", ".cpp", ".cu", ".py", ".txt")]
+    else:  # an installed package: its Python files and the compiled extension
+        here = pathlib.Path(__file__).parent
+        files = [p for p in here.rglob("*.py")] + [p for p in here.glob("_C*.so")]
+    h = hashlib.sha256()
+    for p in sorted(files):
+        h.update(str(p.relative_to(p.parents[len(p.parents) - 1])).encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def machine_info(device):
+    info = {"torch": torch.__version__, "python": platform.python_version(), "device": device,
+            "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+            "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "code_hash": code_hash(), "sdpa_math": getattr(sdpa_math, "__version__", "?")}
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+# ---------------------------------------------------------------------------------------------
+# Reports
+
+COLUMNS = ["ours", "native", "native16", "eager", "compiled", "lse", "flash"]
+
+
+def markdown(run):
+    lines = [f"# sdpa_math benchmark · {run['info']['device']} · {run['info'].get('gpu', run['info']['cpu'])} · "
+             f"torch {run['info']['torch']} · {run['info']['time']}", "",
+             f"Ceilings measured in this run: copy {run['ceilings']['copy_Bps'] / 1e12:.3f} TB/s, "
+             f"{run['ceilings']['mm_dtype']} matrix product {run['ceilings']['mm_flops'] / 1e12:.1f} TFLOP/s.", ""]
+    for phase, title in (("fwd_ms", "Forward (O, P)"), ("fwdbwd_ms", "Forward + backward through O and P")):
+        lines += [f"## {title}: median ms (speedup of ours over each)", "",
+                  "| shape | dtype | floor | " + " | ".join(COLUMNS) + " | ours/floor |",
+                  "|---|---|---|" + "---|" * len(COLUMNS) + "---|"]
+        for row in run["rows"]:
+            ours = row["impls"].get("ours", {})
+            if phase not in ours:
+                continue
+            cells = []
+            for n in COLUMNS:
+                r = row["impls"].get(n)
+                if r is None or phase not in r:
+                    cells.append("–" if r is None or "error" not in r else "err")
+                elif n == "ours":
+                    cells.append(f"**{r[phase]:.3f}**")
+                else:
+                    cells.append(f"{r[phase]:.3f} ({r[phase] / ours[phase]:.2f}x)")
+            lines.append(f"| {row['shape']} | {row['dtype']} | {row['floor'][phase]:.3f} | " + " | ".join(cells)
+                         + f" | {ours[phase] / row['floor'][phase]:.2f} |")
+        lines.append("")
+    lines += ["## Error against float64 (relative Frobenius) and peak extra memory of a forward", "",
+              "| shape | dtype | impl | err O | err P | extra MB | extra / (P+O) |", "|---|---|---|---|---|---|---|"]
+    for row in run["rows"]:
+        es = torch.finfo(getattr(torch, row["dtype"])).bits // 8
+        po = es * (row["B"] * row["Hq"] * row["L"] * (row["S"] + row["D"]))
+        for n, r in row["impls"].items():
+            if "rel_err_o" not in r:
+                continue
+            ep = "–" if r["rel_err_p"] is None else f"{r['rel_err_p']:.2e}"
+            mem = r.get("peak_extra_bytes")
+            lines.append(f"| {row['shape']} | {row['dtype']} | {n} | {r['rel_err_o']:.2e} | {ep} | "
+                         + ("–" if mem is None else f"{mem / 2**20:.1f}") + " | "
+                         + ("–" if mem is None else f"{mem / po:.2f}") + " |")
+    errors = [(row["shape"], row["dtype"], n, r["error"]) for row in run["rows"] for n, r in row["impls"].items()
+              if "error" in r]
+    if errors:
+        lines += ["", "## Alternatives that failed to run", ""] + [f"- {a} {b} {n}: {e}" for a, b, n, e in errors]
+    return "\n".join(lines) + "\n"
+
+
+def plot(run, path):
+    rows = [r for r in run["rows"] if r["shape"].startswith("sweep_")]
+    if not rows:
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, phase in zip(axes, ("fwd_ms", "fwdbwd_ms")):
+        for dtype in sorted({r["dtype"] for r in rows}):
+            sel = [r for r in rows if r["dtype"] == dtype and phase in r["speedup"]]
+            for n in ("native", "eager", "compiled", "lse"):
+                pts = [(r["L"], r["speedup"][phase][n]) for r in sel if n in r["speedup"][phase]]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=f"vs {n} ({dtype})")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length L = S")
+        ax.set_ylabel("speedup of sdpa_math")
+        ax.set_title("forward (O, P)" if phase == "fwd_ms" else "forward + backward")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"sdpa_math on {run['info'].get('gpu', run['info']['cpu'])}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return str(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# The gate
+
+
+def gate(run, baseline, threshold, current_hash=None):
+    """Returns (fails, warns), lists of reasons. A row of the baseline missing from the run, a
+    run that measured other code than the tree's, an override that did not take its call, or an
+    error in ours is a FAIL; a same-run ratio (ours vs native, ours vs the floor) below the
+    baseline's by more than `threshold` is a FAIL, by more than half of it a WARN."""
+    fails, warns = [], []
+    if run["info"].get("device") != baseline["info"].get("device"):
+        fails.append(f"device profile {run['info'].get('device')} is not the baseline's {baseline['info'].get('device')}")
+    if current_hash is not None and run["info"].get("code_hash") != current_hash:
+        fails.append(f"the run measured code {run['info'].get('code_hash')}, the tree is {current_hash}: rerun")
+    by_key = {(r["shape"], r["dtype"]): r for r in run["rows"]}
+    for b in baseline["rows"]:
+        key = (b["shape"], b["dtype"])
+        r = by_key.get(key)
+        if r is None:
+            fails.append(f"{key}: missing from the run")
+            continue
+        ours = r["impls"].get("ours", {})
+        if "error" in ours:
+            fails.append(f"{key}: ours failed: {ours['error']}")
+            continue
+        ov = r["impls"].get("override", {})
+        if ov and not ov.get("override_took_call", False):
+            fails.append(f"{key}: the override did not take the aten call (fell back to native)")
+        for phase in ("fwd_ms", "fwdbwd_ms"):
+            for against in ("native", "floor"):
+                base = b.get("speedup", {}).get(phase, {}).get(against)
+                if base is None:
+                    continue
+                got = r.get("speedup", {}).get(phase, {}).get(against)
+                if got is None:
+                    fails.append(f"{key} {phase} vs {against}: not measured")
+                elif got < base * (1 - threshold):
+                    fails.append(f"{key} {phase} vs {against}: {got:.2f}x, baseline {base:.2f}x")
+                elif got < base * (1 - threshold / 2):
+                    warns.append(f"{key} {phase} vs {against}: {got:.2f}x, baseline {base:.2f}x")
+    return fails, warns
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+
+def _cmd_run(a):
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    shapes = SETS[a.set or ("anchors+sweep" if device == "cuda" else "cpu+sweep")](device)
+    dtypes = [getattr(torch, d) for d in a.dtypes]
+    out = pathlib.Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    impls = Impls(device)
+    ceil = ceilings(device)
+    run = {"info": machine_info(device), "ceilings": ceil, "rows": []}
+    for s in shapes:
+        for dtype in dtypes:
+            t0 = time.perf_counter()
+            row = run_row(impls, s, dtype, device, ceil, a.reps, with_backward=not a.no_backward)
+            run["rows"].append(row)
+            sp = row["speedup"].get("fwd_ms", {})
+            print(f"{s.name:24s} {row['dtype']:9s} fwd x native {sp.get('native', float('nan')):6.2f}  "
+                  f"x floor {sp.get('floor', float('nan')):5.2f}  ({time.perf_counter() - t0:.1f} s)", flush=True)
+            (out / "bench.json").write_text(json.dumps(run, indent=1))
+    (out / "bench.md").write_text(markdown(run))
+    png = plot(run, out / "speedup.png")
+    print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}" + (f", {png}" if png else ""))
+
+
+def _cmd_gate(a):
+    run = json.loads(pathlib.Path(a.run).read_text())
+    baseline = json.loads(pathlib.Path(a.baseline).read_text())
+    fails, warns = gate(run, baseline, a.threshold, None if a.no_hash_check else code_hash())
+    for f in fails:
+        print("FAIL", f)
+    for w in warns:
+        print("WARN", w)
+    print(f"FAIL {len(fails)} · WARN {len(warns)}")
+    return 1 if fails else 0
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m sdpa_math.bench", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="time every implementation side by side")
+    r.add_argument("--device", choices=["cpu", "cuda"])
+    r.add_argument("--set", choices=sorted(SETS))
+    r.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16", "float32"])
+    r.add_argument("--reps", type=int, default=15)
+    r.add_argument("--no-backward", action="store_true")
+    r.add_argument("--out", default="bench-out")
+    g = sub.add_parser("gate", help="compare a run with a committed baseline")
+    g.add_argument("run")
+    g.add_argument("baseline")
+    g.add_argument("--threshold", type=float, default=0.35,
+                   help="allowed drop of a same-run ratio below the baseline's (CPU noise is ~20%%)")
+    g.add_argument("--no-hash-check", action="store_true", help="do not require the run to match this tree")
+    a = ap.parse_args(argv)
+    if a.cmd == "run":
+        _cmd_run(a)
+        return 0
+    return _cmd_gate(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
