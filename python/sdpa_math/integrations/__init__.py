@@ -1,0 +1,1 @@
+"""Integrations of sdpa_math with model libraries (import each submodule explicitly)."""
