@@ -28,22 +28,35 @@ SDPA_MATH_D float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// s[n][c] = q_row . k_col for this warp's 16 rows and the tile's BN keys (raw dot products).
-template <typename T, int DT, int BN, int LDQ, int LDK>
-SDPA_MATH_D void tile_scores(float (&s)[BN / 8][4], const T* sQ, const T* sK, int warp, int g, int t, int kchunks) {
+// The warp's Q fragments for every 16-column chunk of the head: held in registers for the
+// whole key sweep where they fit (head tile <= 128), else reloaded per chunk.
+template <int DT>
+constexpr bool kQInRegisters = DT <= 128;
+
+// s[n][c] = q_row . k_col (raw dot products) for this warp's 16 rows and the tile's BN keys.
+// Q and K are zero-padded to DT columns in shared memory, so every chunk is summed.
+template <typename T, int DT, int BN, int LD>
+SDPA_MATH_D void tile_scores(float (&s)[BN / 8][4], const uint32_t (&qf)[kQInRegisters<DT> ? DT / 16 : 1][4],
+                             const T* sQ, const T* sK, int warp, int lane) {
 #pragma unroll
   for (int n = 0; n < BN / 8; ++n)
 #pragma unroll
     for (int c = 0; c < 4; ++c) s[n][c] = 0.0f;
 #pragma unroll
   for (int kk = 0; kk < DT / 16; ++kk) {
-    if (kk >= kchunks) break;
-    const T* qa = sQ + (warp * 16 + g) * LDQ + kk * 16 + 2 * t;
-    const uint32_t a[4] = {load32(qa), load32(qa + 8 * LDQ), load32(qa + 8), load32(qa + 8 * LDQ + 8)};
+    uint32_t a[4];
+    if constexpr (kQInRegisters<DT>) {
 #pragma unroll
-    for (int n = 0; n < BN / 8; ++n) {
-      const T* kb = sK + (n * 8 + g) * LDK + kk * 16 + 2 * t;
-      mma_16816<T>(s[n], a, load32(kb), load32(kb + 8));
+      for (int i = 0; i < 4; ++i) a[i] = qf[kk][i];
+    } else {
+      load_a_frag<T>(a, sQ, LD, warp * 16, kk * 16, lane);
+    }
+#pragma unroll
+    for (int n = 0; n < BN / 8; n += 2) {
+      uint32_t b[4];
+      load_b_pair_nk<T>(b, sK, LD, n * 8, kk * 16, lane);
+      mma_16816<T>(s[n], a, b[0], b[1]);
+      mma_16816<T>(s[n + 1], a, b[2], b[3]);
     }
   }
 }
@@ -72,8 +85,6 @@ __global__ void __launch_bounds__(kThreads) forward_tc(DevProblem p, ForwardFlag
   const int64_t warp_row0 = i0 + warp * 16;  // the warp's first row: causal-free tiles end before it
   const int64_t j_end = p.causal ? (i0 + kBM < p.S ? i0 + kBM : p.S) : p.S;
   const int n_tiles = static_cast<int>((j_end + BN - 1) / BN);
-  const int kchunks = static_cast<int>((p.E + 15) / 16);
-  const int vtiles = static_cast<int>((p.Ev + 7) / 8);
   const float scale = static_cast<float>(p.scale);
   const float scale2 = scale * kLog2e;  // plain case: scores in base-2 units
   T* P = reinterpret_cast<T*>(p.probs.data);
@@ -99,8 +110,16 @@ __global__ void __launch_bounds__(kThreads) forward_tc(DevProblem p, ForwardFlag
   };
 
   load_tile_async<T, kBM, DT, LD, kThreads>(sQ, p.q, q_at, i0, p.L, p.E, f.q_vec);
+  cp_async_commit();
   if (n_tiles > 0) load_k(0);
   cp_async_commit();
+  cp_async_wait<1>();
+  __syncthreads();
+  uint32_t qf[kQInRegisters<DT> ? DT / 16 : 1][4];
+  if constexpr (kQInRegisters<DT>) {
+#pragma unroll
+    for (int kk = 0; kk < DT / 16; ++kk) load_a_frag<T>(qf[kk], sQ, LD, warp * 16, kk * 16, lane);
+  }
 
   // Pass 1: running max (common to the quad that shares a row) and per-thread partial sums.
   // GENERAL: natural units; plain: base-2 units.
@@ -116,7 +135,7 @@ __global__ void __launch_bounds__(kThreads) forward_tc(DevProblem p, ForwardFlag
     }
     __syncthreads();
     float s[BN / 8][4];
-    tile_scores<T, DT, BN, LD, LD>(s, sQ, sK + (nt & 1) * BN * LD, warp, g, t, kchunks);
+    tile_scores<T, DT, BN, LD>(s, qf, sQ, sK + (nt & 1) * BN * LD, warp, lane);
     const bool clean = tile_is_clean(j0);
     float tile_max[2] = {kNegInf, kNegInf};
 #pragma unroll
@@ -186,10 +205,12 @@ __global__ void __launch_bounds__(kThreads) forward_tc(DevProblem p, ForwardFlag
     const T* kt = sK + (nt & 1) * BN * LD;
     const T* vt = sV + (nt & 1) * BN * LD;
     float s[BN / 8][4];
-    tile_scores<T, DT, BN, LD, LD>(s, sQ, kt, warp, g, t, kchunks);
+    tile_scores<T, DT, BN, LD>(s, qf, sQ, kt, warp, lane);
     const bool clean = tile_is_clean(j0);
-    // P of this tile, rounded once: packed[n][r] holds row r's pair (j, j + 1), j = j0 + 8n + 2t,
-    // which is also the A fragment of P V.
+    // This tile's weights: unnormalised ones u = exp(s - m) (times the dropout factor), rounded
+    // once into packed[n][r] -- row r's pair (j, j + 1), j = j0 + 8n + 2t -- as the A fragment
+    // of P V (O is divided by the row sum at the end, as flash attention does: u <= 1 keeps fp16
+    // clear of subnormals where P = u / l would not be), and P = u / l, rounded and stored once.
     uint32_t packed[BN / 8][2];
 #pragma unroll
     for (int n = 0; n < BN / 8; ++n)
@@ -197,23 +218,25 @@ __global__ void __launch_bounds__(kThreads) forward_tc(DevProblem p, ForwardFlag
       for (int r = 0; r < 2; ++r) {
         const int64_t i = row[r];
         const int64_t j = j0 + n * 8 + 2 * t;
-        float pr[2];
+        float u[2], pr[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           if constexpr (GENERAL) {
-            pr[e] = 0.0f;
+            u[e] = 0.0f;
             if (j + e < p.S && i < p.L) {
-              const float a = __expf(masked_logit<float>(p, s[n][2 * r + e], m_at, i, j + e) - m[r]) * inv_l[r];
-              pr[e] = returned_prob<float>(p, a, keep_of<float>(p, d_at, lead, i, j + e));
+              const float a = __expf(masked_logit<float>(p, s[n][2 * r + e], m_at, i, j + e) - m[r]);
+              u[e] = returned_prob<float>(p, a, keep_of<float>(p, d_at, lead, i, j + e));
             }
           } else {
-            pr[e] = fast_exp2(plain_logit(s[n][2 * r + e], i, j + e, clean) - m[r]) * inv_l[r];
+            u[e] = fast_exp2(plain_logit(s[n][2 * r + e], i, j + e, clean) - m[r]);
           }
+          pr[e] = u[e] * inv_l[r];
         }
-        packed[n][r] = pack2<T>(pr[0], pr[1]);
+        packed[n][r] = pack2<T>(u[0], u[1]);
+        const uint32_t p_pair = pack2<T>(pr[0], pr[1]);
         if (i < p.L) {
           if (f.p_pair && (clean || j + 1 < p.S)) {
-            *reinterpret_cast<uint32_t*>(p_row[r] + j) = packed[n][r];
+            *reinterpret_cast<uint32_t*>(p_row[r] + j) = p_pair;
           } else if (j < p.S) {
             const int64_t at = p_at + i * p.probs.row + j * p.probs.col;
             store_elem<float>(p.probs.dtype, p.probs.data, at, pr[0]);
@@ -225,17 +248,17 @@ __global__ void __launch_bounds__(kThreads) forward_tc(DevProblem p, ForwardFlag
     for (int kk = 0; kk < BN / 16; ++kk) {
       const uint32_t a[4] = {packed[2 * kk][0], packed[2 * kk][1], packed[2 * kk + 1][0], packed[2 * kk + 1][1]};
 #pragma unroll
-      for (int n = 0; n < DT / 8; ++n) {
-        if (n >= vtiles) break;
-        uint32_t b0, b1;
-        load_b_trans<T>(vt + (kk * 16) * LD + n * 8, LD, lane, b0, b1);
-        mma_16816<T>(o[n], a, b0, b1);
+      for (int n = 0; n < DT / 8; n += 2) {  // V is zero-padded to DT columns
+        uint32_t b[4];
+        load_b_pair_kn<T>(b, vt, LD, kk * 16, n * 8, lane);
+        mma_16816<T>(o[n], a, b[0], b[1]);
+        mma_16816<T>(o[n + 1], a, b[2], b[3]);
       }
     }
     __syncthreads();
   }
 
-  // O, with the explicit-mask dropout factor applied once.
+  // O = (u V) / l, with the explicit-mask dropout factor applied once.
   const float factor = output_factor<float>(p);
   const int64_t o_at = lead_off(p, p.out, lead);
 #pragma unroll
@@ -244,7 +267,8 @@ __global__ void __launch_bounds__(kThreads) forward_tc(DevProblem p, ForwardFlag
     for (int c = 0; c < 4; ++c) {
       const int64_t i = row[c >> 1], col = n * 8 + 2 * t + (c & 1);
       if (i < p.L && col < p.Ev)
-        store_elem<float>(p.out.dtype, p.out.data, o_at + i * p.out.row + col * p.out.col, o[n][c] * factor);
+        store_elem<float>(p.out.dtype, p.out.data, o_at + i * p.out.row + col * p.out.col,
+                          o[n][c] * inv_l[c >> 1] * factor);
     }
 
   // Causal: the keys right of the last computed tile are hidden from every row of the CTA.

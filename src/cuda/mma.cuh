@@ -182,3 +182,39 @@ SDPA_MATH_D void load_tile_async(T* s, const DevOperand& op, int64_t base, int64
 }
 
 }  // namespace sdpa_math::cuda
+
+namespace sdpa_math::cuda {
+
+SDPA_MATH_D uint32_t smem_addr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+
+// Four 8x8 16-bit matrices from shared memory, one register each; lane l gives the address of
+// row (l & 7) of matrix (l >> 3).
+SDPA_MATH_D void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(row)));
+}
+SDPA_MATH_D void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(row)));
+}
+
+// The A fragment of rows m0..m0+15, columns k0..k0+15 of a row-major [m][k] tile.
+template <typename T>
+SDPA_MATH_D void load_a_frag(uint32_t (&a)[4], const T* tile, int ld, int m0, int k0, int lane) {
+  ldmatrix_x4(a, tile + (m0 + (lane & 7) + ((lane >> 3) & 1) * 8) * ld + k0 + (lane >> 4) * 8);
+}
+// B fragments {b0, b1} of two neighbouring 8-column tiles (n0..n0+7 and n0+8..n0+15) for
+// k0..k0+15, from a tile stored [n][k] (rows = the product's columns, e.g. K for Q K^T).
+template <typename T>
+SDPA_MATH_D void load_b_pair_nk(uint32_t (&b)[4], const T* tile, int ld, int n0, int k0, int lane) {
+  ldmatrix_x4(b, tile + (n0 + (lane & 7) + (lane >> 4) * 8) * ld + k0 + ((lane >> 3) & 1) * 8);
+}
+// The same from a tile stored [k][n] (e.g. V for P V), transposed on the way.
+template <typename T>
+SDPA_MATH_D void load_b_pair_kn(uint32_t (&b)[4], const T* tile, int ld, int k0, int n0, int lane) {
+  ldmatrix_x4_trans(b, tile + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * ld + n0 + (lane >> 4) * 8);
+}
+
+}  // namespace sdpa_math::cuda
