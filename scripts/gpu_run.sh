@@ -40,7 +40,7 @@ for stage in $stages; do
       python3 -m sdpa_math.bench run --device cuda --set anchors+sweep --out "$OUT" 2>&1 | tail -50 ;;
     model)
       log "model and transformers tests at GPU sizes"
-      python3 -m pytest -q -p no:cacheprovider tests/python/test_model.py tests/python/test_transformers.py 2>&1 | tee "$OUT/model.log" | tail -20 ;;
+      python3 -m pytest -q -s -p no:cacheprovider tests/python/test_model.py tests/python/test_transformers.py 2>&1 | tee "$OUT/model.log" | tail -40 ;;
   esac
 done
 log done
