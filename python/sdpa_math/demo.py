@@ -10,32 +10,16 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-import statistics
-import time
 
 import torch
 
 import sdpa_math
 
-from .bench import eager_attention
+from .bench import eager_attention, median_ms
 from .models import TinyLlama, TinyLlamaConfig, rotary_tables
 
 TEXT = ("sdpa_math returns the attention output and the full probability map, with gradients through "
         "both, so attention entropy, distillation and head analysis run at fused-kernel speed.")
-
-
-def _median_ms(fn, device, reps=20):
-    times = []
-    for i in range(reps + 3):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        if i >= 3:
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def main(argv=None):
@@ -67,7 +51,7 @@ def main(argv=None):
 
         o, p = ours()
         o_n, p_n = native()
-        t_ours, t_native, t_eager = (_median_ms(f, device) for f in (ours, native, eager))
+        t_ours, t_native, t_eager = (median_ms(f, device, reps=20)[0] for f in (ours, native, eager))
     entropy = -(p.float() * p.float().clamp_min(1e-30).log()).sum(-1).mean(dim=(0, 2))
     print(f"sdpa_math demo · {device} ({torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}) · "
           f"{str(dtype).split('.')[-1]} · TinyLlama layer 0: {cfg.heads} query / {cfg.kv_heads} key-value heads, "

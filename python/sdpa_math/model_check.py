@@ -11,30 +11,15 @@ override took. `compare()` puts two such files side by side.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
+from .bench import median_ms
 from .models import TinyLlama, TinyLlamaConfig, greedy, loss_of
 
 ENTROPY_WEIGHT = 0.05
 GRADS = {"embed": lambda m: m.embed.weight, "q_proj0": lambda m: m.blocks[0].attn.q.weight,
          "head": lambda m: m.head.weight}
-
-
-def _time(fn, device, reps):
-    times = []
-    for i in range(reps + 2):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        if i >= 2:  # two warm-up runs
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def run(impl, device, batch=2, length=None, reps=5):
@@ -69,9 +54,9 @@ def run(impl, device, batch=2, length=None, reps=5):
         with torch.no_grad():
             model(ids)
 
-    res["ms_forward"] = _time(forward_no_grad, device, reps)
-    res["ms_ce"] = _time(lambda: train_step(0.0), device, reps)
-    res["ms_ce_entropy"] = _time(lambda: train_step(ENTROPY_WEIGHT), device, reps)
+    res["ms_forward"] = median_ms(forward_no_grad, device, warmup=2, reps=reps)[0]
+    res["ms_ce"] = median_ms(lambda: train_step(0.0), device, warmup=2, reps=reps)[0]
+    res["ms_ce_entropy"] = median_ms(lambda: train_step(ENTROPY_WEIGHT), device, warmup=2, reps=reps)[0]
     res["interceptions"] = sdpa_math.interceptions() - before
     return res
 

@@ -45,6 +45,7 @@ struct DevProblem {
 
 #define SDPA_MATH_D __device__ __forceinline__
 
+// The device twin of core::unravel (src/core/validate.cpp): the offset of lead index `lead`.
 SDPA_MATH_D int64_t unravel(const DevProblem& p, const int64_t* strides, int64_t group, int64_t lead) {
   int64_t off = 0;
   for (int d = p.lead_ndim - 1; d >= 0; --d) {

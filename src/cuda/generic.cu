@@ -123,7 +123,6 @@ struct BackElem {
 
 // Without dropout A is the forward's P: read it where the caller kept it (pr_at: row i's start),
 // which is exact also where exp(s - lse) is not (rows near finfo.min); else recompute it.
-template <typename Acc>
 __device__ bool a_from_probs(const DevProblem& p) {
   return p.probs.data != nullptr && p.dropout == Dropout::None;
 }
@@ -132,7 +131,7 @@ template <typename Acc>
 __device__ BackElem<Acc> back_elem(const DevProblem& p, int64_t lead, int64_t i, int64_t j, Acc qk, Acc dov, Acc lse,
                                    int64_t m_at, int64_t d_at, int64_t gp_at, int64_t pr_at) {
   BackElem<Acc> r;
-  r.a = a_from_probs<Acc>(p) ? load_elem<Acc>(p.probs.dtype, p.probs.data, pr_at + j * p.probs.col)
+  r.a = a_from_probs(p) ? load_elem<Acc>(p.probs.dtype, p.probs.data, pr_at + j * p.probs.col)
                              : prob_from_lse<Acc>(masked_logit<Acc>(p, qk, m_at, i, j), lse);
   const Acc keep = keep_of<Acc>(p, d_at, lead, i, j);
   const Acc dp = p.grad_probs.data ? load_elem<Acc>(p.grad_probs.dtype, p.grad_probs.data, gp_at + j * p.grad_probs.col) : Acc(0);

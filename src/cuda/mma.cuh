@@ -64,18 +64,6 @@ SDPA_MATH_D uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
   const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&h);
 }
-// The two values of a packed pair, back to fp32.
-template <typename T>
-SDPA_MATH_D float unpack_lo(uint32_t v) {
-  const uint16_t b = static_cast<uint16_t>(v & 0xffffu);
-  return to_float<T>(*reinterpret_cast<const T*>(&b));
-}
-template <typename T>
-SDPA_MATH_D float unpack_hi(uint32_t v) {
-  const uint16_t b = static_cast<uint16_t>(v >> 16);
-  return to_float<T>(*reinterpret_cast<const T*>(&b));
-}
-
 // 2^x on the special-function unit (relative error ~2^-22; 2^-inf = 0).
 SDPA_MATH_D float fast_exp2(float x) {
   float y;
@@ -98,10 +86,10 @@ inline bool rows_vectorizable(const DevOperand& op, int lead_ndim, int64_t cols,
   return reinterpret_cast<uintptr_t>(op.data) % (static_cast<uintptr_t>(vec) * elem_bytes) == 0;
 }
 
-// Loads a ROWS x COLS tile of 16-bit elements (rows `r0..`, columns `c0..` of an operand based at
-// `base`) into shared memory with leading dimension LD; out-of-range elements become zero.
-// TRANSPOSE stores element (r, c) at s[c * LD + r].
-template <typename T, int ROWS, int COLS, int LD, int THREADS, bool TRANSPOSE>
+// Loads a ROWS x COLS tile of 16-bit elements (rows `r0..` of an operand based at `base`) into
+// shared memory with leading dimension LD; out-of-range elements become zero, so products over
+// the whole tile are exact.
+template <typename T, int ROWS, int COLS, int LD, int THREADS>
 SDPA_MATH_D void load_tile(T* s, const DevOperand& op, int64_t base, int64_t r0, int64_t rows, int64_t cols,
                            bool vec) {
   const T* g = reinterpret_cast<const T*>(op.data);
@@ -112,21 +100,14 @@ SDPA_MATH_D void load_tile(T* s, const DevOperand& op, int64_t base, int64_t r0,
       const int r = idx / kChunks, c = (idx % kChunks) * 8;
       uint4 val = make_uint4(0, 0, 0, 0);
       if (r0 + r < rows && c < cols) val = *reinterpret_cast<const uint4*>(g + base + (r0 + r) * op.row + c);
-      if constexpr (TRANSPOSE) {
-        const T* e = reinterpret_cast<const T*>(&val);
-#pragma unroll
-        for (int k = 0; k < 8; ++k) s[(c + k) * LD + r] = e[k];
-      } else {
-        *reinterpret_cast<uint4*>(s + r * LD + c) = val;
-      }
+      *reinterpret_cast<uint4*>(s + r * LD + c) = val;
     }
   } else {
     for (int idx = threadIdx.x; idx < ROWS * COLS; idx += THREADS) {
       const int r = idx / COLS, c = idx % COLS;
       T val = zero;
       if (r0 + r < rows && c < cols) val = g[base + (r0 + r) * op.row + c * op.col];
-      if constexpr (TRANSPOSE) s[c * LD + r] = val;
-      else s[r * LD + c] = val;
+      s[r * LD + c] = val;
     }
   }
 }
@@ -166,7 +147,7 @@ template <typename T, int ROWS, int COLS, int LD, int THREADS>
 SDPA_MATH_D void load_tile_async(T* s, const DevOperand& op, int64_t base, int64_t r0, int64_t rows, int64_t cols,
                                  bool vec) {
   if (!vec) {
-    load_tile<T, ROWS, COLS, LD, THREADS, false>(s, op, base, r0, rows, cols, false);
+    load_tile<T, ROWS, COLS, LD, THREADS>(s, op, base, r0, rows, cols, false);
     return;
   }
   const T* g = reinterpret_cast<const T*>(op.data);
