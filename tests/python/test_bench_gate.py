@@ -1,0 +1,54 @@
+"""The performance gate's rules (sdpa_math.bench.gate) on small synthetic runs: what fails,
+what warns and what passes. The harness itself runs in CI through scripts/gate_cpu.sh."""
+import copy
+
+from sdpa_math.bench import gate
+
+
+def _run(native_ratio=2.0, floor_ratio=0.5, took=True, code="abc", device="cpu"):
+    row = {"shape": "s1", "dtype": "float32",
+           "impls": {"ours": {"fwd_ms": 1.0}, "override": {"override_took_call": took}, "native": {"fwd_ms": 2.0}},
+           "speedup": {"fwd_ms": {"native": native_ratio, "floor": floor_ratio}}}
+    return {"info": {"device": device, "code_hash": code}, "rows": [row]}
+
+
+def test_same_ratios_pass():
+    assert gate(_run(), _run(), 0.3, current_hash="abc") == ([], [])
+
+
+def test_a_drop_past_the_threshold_fails_and_half_of_it_warns():
+    fails, warns = gate(_run(native_ratio=1.3), _run(native_ratio=2.0), 0.3)
+    assert len(fails) == 1 and "vs native" in fails[0] and not warns
+    fails, warns = gate(_run(native_ratio=1.6), _run(native_ratio=2.0), 0.3)
+    assert not fails and len(warns) == 1
+
+
+def test_a_missing_row_fails():
+    run = _run()
+    run["rows"] = []
+    fails, _ = gate(run, _run(), 0.3)
+    assert fails == ["('s1', 'float32'): missing from the run"]
+
+
+def test_a_stale_run_fails():
+    fails, _ = gate(_run(code="old"), _run(), 0.3, current_hash="new")
+    assert any("rerun" in f for f in fails)
+
+
+def test_an_override_that_did_not_take_the_call_fails():
+    fails, _ = gate(_run(took=False), _run(), 0.3)
+    assert any("fell back" in f for f in fails)
+
+
+def test_an_error_in_ours_and_another_device_profile_fail():
+    run = _run(device="cuda")
+    run["rows"][0]["impls"]["ours"] = {"error": "RuntimeError: boom"}
+    fails, _ = gate(run, _run(), 0.3)
+    assert any("device profile" in f for f in fails) and any("ours failed" in f for f in fails)
+
+
+def test_a_ratio_the_baseline_has_but_the_run_lacks_fails():
+    run = copy.deepcopy(_run())
+    del run["rows"][0]["speedup"]["fwd_ms"]["floor"]
+    fails, _ = gate(run, _run(), 0.3)
+    assert fails == ["('s1', 'float32') fwd_ms vs floor: not measured"]
