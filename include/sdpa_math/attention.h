@@ -58,10 +58,11 @@ struct ForwardOutputs {
 struct BackwardArgs {
   ForwardArgs forward;  // the same inputs and options as the forward
   TensorView logsumexp; // what the forward returned
-  // The forward's O, optional. With it the CUDA backend gets rowsum(A . dA) as
-  // rowsum(dO . O) + rowsum(P . dP) from memory instead of recomputing two products.
+  // The forward's O and P, optional. With them the CUDA backend takes rowsum(A . dA) as
+  // rowsum(dO . O) + rowsum(P . dP) from memory, and, without dropout, A as P itself instead of
+  // recomputing Q K^T. The CPU backends recompute and ignore them.
   std::optional<TensorView> output;
-  std::optional<TensorView> attn_probs;  // the forward's P, read together with `output`
+  std::optional<TensorView> attn_probs;
   std::optional<TensorView> grad_output;  // dL/dO, shape of O; absent = zero
   std::optional<TensorView> grad_probs;   // dL/dP, shape of P; absent = zero
 };

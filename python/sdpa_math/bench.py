@@ -31,7 +31,6 @@ import datetime
 import hashlib
 import json
 import math
-import os
 import pathlib
 import platform
 import statistics
@@ -108,15 +107,18 @@ def _repeat_kv(x, n):
     return x if n == 1 else x.repeat_interleave(n, dim=1)
 
 
+def _causal_hidden(q, k):
+    """True where top-left causal attention hides key j from query i (j > i)."""
+    return torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
+
+
 def eager_attention(q, k, v, causal, scale):
     """Attention as Hugging Face's eager path writes it: fp32 softmax, cast back, then P V."""
     g = q.shape[1] // k.shape[1]
     k, v = _repeat_kv(k, g), _repeat_kv(v, g)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if causal:
-        L, S = q.shape[-2], k.shape[-2]
-        hidden = torch.ones(L, S, dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(hidden, float("-inf"))
+        scores = scores.masked_fill(_causal_hidden(q, k), float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, v), probs
 
@@ -131,8 +133,7 @@ def _lse_then_probs(q, k, v, causal, scale):
                                                                               0.0, causal, scale=scale)
     scores = torch.matmul(q, _repeat_kv(k, g).transpose(-1, -2)).float() * scale
     if causal:
-        L, S = q.shape[-2], k.shape[-2]
-        scores = scores.masked_fill(torch.ones(L, S, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        scores = scores.masked_fill(_causal_hidden(q, k), float("-inf"))
     # The fused kernels may pad lse's rows (to a multiple of 32 on CUDA).
     probs = torch.exp(scores - lse[..., : q.shape[-2]].float().unsqueeze(-1)).to(q.dtype)
     return out, probs
@@ -341,18 +342,18 @@ def code_hash():
     """Hash of the sources that decide what is measured (the C++/CUDA core, the binding and the
     Python package), taken from the source tree this module was imported from when it is one,
     else from the installed package files."""
-    root = pathlib.Path(__file__).resolve().parents[2]
+    base = pathlib.Path(__file__).resolve().parents[2]
     files = []
-    if (root / "src").is_dir() and (root / "python" / "sdpa_math").is_dir():
+    if (base / "src").is_dir() and (base / "python" / "sdpa_math").is_dir():
         for sub in ("src", "include", "python/sdpa_math"):
-            files += [p for p in (root / sub).rglob("*") if p.is_file() and p.suffix in
+            files += [p for p in (base / sub).rglob("*") if p.is_file() and p.suffix in
                       (".h", ".cuh", ".cpp", ".cu", ".py", ".txt")]
     else:  # an installed package: its Python files and the compiled extension
-        here = pathlib.Path(__file__).parent
-        files = [p for p in here.rglob("*.py")] + [p for p in here.glob("_C*.so")]
+        base = pathlib.Path(__file__).resolve().parent
+        files = [p for p in base.rglob("*.py")] + [p for p in base.glob("_C*.so")]
     h = hashlib.sha256()
-    for p in sorted(files):
-        h.update(str(p.relative_to(p.parents[len(p.parents) - 1])).encode())
+    for p in sorted(files):  # paths relative to the tree: the same code hashes alike in any checkout
+        h.update(str(p.relative_to(base)).encode())
         h.update(p.read_bytes())
     return h.hexdigest()[:16]
 

@@ -1,6 +1,6 @@
 // CPU backward (contract §11). Per task (one head, one block of query rows) the softmax A is
-// recomputed from Q, K and the forward's log-sum-exp (A is needed where dropout zeroed P, so the
-// stored P cannot serve), then
+// recomputed from Q and K, row by row by max and sum as the forward took it (A is needed where
+// dropout zeroed P, so the stored P cannot serve), then
 //   G = dO V^T,  dA by the dropout rule,  dS = A (dA - rowsum(A dA)),
 //   dQ += scale dS K,  dK += scale dS^T Q,  dV += W^T dO,  dMask += dS.
 // Gradients accumulate in fp32 per thread (in dense buffers of each input's own shape, where

@@ -121,3 +121,24 @@ def cases():
         out.append(Case(L=21, S=66, E=E, Ev=Ev))
     out.append(Case(L=12, S=12, E=16, Ev=16, scale=-0.3))
     return out
+
+
+# Forward tolerance per dtype (rtol, atol) against native or float64. float64: both compute in
+# float64 (different summation orders). float32: fp32 dot products and exp, ~1e-6. fp16/bf16: one
+# rounding of the output (unit roundoff 2^-11 / 2^-8) on each side of the comparison, plus fp32
+# arithmetic; O's atol is scaled by max|V| where it is used.
+FORWARD_TOL = {torch.float64: (1e-10, 1e-12), torch.float32: (2e-5, 2e-6), torch.float16: (2e-3, 2e-5),
+               torch.bfloat16: (1.6e-2, 2e-4)}
+
+
+def native(args, kwargs, dtype):
+    """PyTorch's own aten math op on the same inputs: fp16/bf16 upcast to fp32 (native computes
+    in fp32 and rounds once), a bool mask converted as the public API converts it (True -> 0,
+    False -> -inf; contract §5: a direct call would add 0/1)."""
+    q, k, v, mask, p, causal, dmask = args
+    up = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    cast = lambda t: None if t is None else (t.to(up) if t.is_floating_point() else t)  # noqa: E731
+    if mask is not None and mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=up, device=mask.device).masked_fill(~mask, float("-inf"))
+    return torch.ops.aten._scaled_dot_product_attention_math(cast(q), cast(k), cast(v), cast(mask), p, causal,
+                                                             cast(dmask), **kwargs)

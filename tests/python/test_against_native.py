@@ -12,25 +12,10 @@ import pytest
 import torch
 
 import sdpa_math
-from cases import build, cases
+from cases import FORWARD_TOL, build, cases, native
 
-aten_math = torch.ops.aten._scaled_dot_product_attention_math
-
-# Per dtype: (rtol, atol). float64: both compute in float64 (different summation orders).
-# float32: fp32 dot products and exp, ~1e-6. fp16/bf16: one rounding of the output (unit
-# roundoff 2^-11 / 2^-8) on each side of the comparison, plus fp32 arithmetic.
-TOL = {torch.float64: (1e-10, 1e-12), torch.float32: (2e-5, 2e-6), torch.float16: (2e-3, 2e-5),
-       torch.bfloat16: (1.6e-2, 2e-4)}
+TOL = FORWARD_TOL
 DTYPES = list(TOL)
-
-
-def _native(args, kwargs, dtype):
-    q, k, v, mask, p, causal, dmask = args
-    up = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-    cast = lambda t: None if t is None else (t.to(up) if t.is_floating_point() else t)  # noqa: E731
-    if mask is not None and mask.dtype == torch.bool:
-        mask = torch.zeros(mask.shape, dtype=up).masked_fill(~mask, float("-inf"))
-    return aten_math(cast(q), cast(k), cast(v), cast(mask), p, causal, cast(dmask), **kwargs)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
@@ -39,7 +24,7 @@ def test_matches_native(case, dtype):
     args, kwargs = build(case, dtype, seed=zlib.crc32(case.id.encode()))  # stable across processes
     out, probs = sdpa_math.attention(*args, **kwargs)
     assert out.dtype == dtype and probs.dtype == dtype
-    ref_out, ref_probs = _native(args, kwargs, dtype)
+    ref_out, ref_probs = native(args, kwargs, dtype)
     rtol, atol = TOL[dtype]
     torch.testing.assert_close(probs.to(ref_probs.dtype), ref_probs, rtol=rtol, atol=atol)
     scale_v = max(args[2].abs().max().item(), 1.0)

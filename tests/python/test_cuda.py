@@ -10,17 +10,15 @@ import pytest
 import torch
 
 import sdpa_math
-from cases import Case, build, cases
+from cases import FORWARD_TOL, Case, build, cases, native
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 aten_math = torch.ops.aten._scaled_dot_product_attention_math
 
-# Forward tolerance against float64, per dtype (rtol, atol). fp16/bf16: P is one rounding of an
-# fp32 value; O comes from P rounded to the input dtype (as in flash attention), so its atol is
-# scaled by max|V|.
-TOL = {torch.float64: (1e-10, 1e-12), torch.float32: (2e-5, 2e-6), torch.float16: (2e-3, 2e-5),
-       torch.bfloat16: (1.6e-2, 2e-4)}
+# Forward tolerance: the CPU suite's (cases.FORWARD_TOL). fp16/bf16 O comes from weights rounded
+# to the input dtype (as in flash attention); its atol is scaled by max|V|.
+TOL = FORWARD_TOL
 # Backward: ||got - ref|| / (||ref|| + atol * sqrt(n)) per gradient. fp16/bf16 round dS and W to
 # the input dtype for the tensor-core products and take rowsum(A . dA) as dO . O + P . dP with the
 # rounded O, so a gradient that is exactly zero in float64 (S = 1: dS = 0) is a few units of
@@ -47,15 +45,6 @@ def _reference(args, kwargs):
                                _to_cpu64(dmask), **kwargs)
 
 
-def _native(args, kwargs, dtype):
-    q, k, v, mask, p, causal, dmask = args
-    up = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-    cast = lambda t: None if t is None else (t.to(up) if t.is_floating_point() else t)  # noqa: E731
-    if mask is not None and mask.dtype == torch.bool:  # contract §5: the public API's conversion
-        mask = torch.zeros(mask.shape, dtype=up, device=mask.device).masked_fill(~mask, float("-inf"))
-    return aten_math(cast(q), cast(k), cast(v), cast(mask), p, causal, cast(dmask), **kwargs)
-
-
 def _seed(case):
     return zlib.crc32(case.id.encode())
 
@@ -71,7 +60,7 @@ def test_forward_matches_reference_and_native(case, dtype):
     ref_out, ref_probs = _reference(args, kwargs)
     torch.testing.assert_close(probs.cpu().double(), ref_probs, rtol=rtol, atol=atol)
     torch.testing.assert_close(out.cpu().double(), ref_out, rtol=rtol, atol=atol * scale_v * 10)
-    nat_out, nat_probs = _native(args, kwargs, dtype)
+    nat_out, nat_probs = native(args, kwargs, dtype)
     torch.testing.assert_close(probs.to(nat_probs.dtype), nat_probs, rtol=rtol, atol=atol)
     torch.testing.assert_close(out.to(nat_out.dtype), nat_out, rtol=rtol, atol=atol * scale_v * 10)
 

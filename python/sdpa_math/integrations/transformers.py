@@ -11,8 +11,6 @@ model's outputs are the same and the maps are simply not kept.
 """
 from __future__ import annotations
 
-import torch
-
 from ..api import attention
 
 NAME = "sdpa_math"
