@@ -190,28 +190,49 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def median_ms(fn, device, warmup=3, reps=10, budget_s=2.0):
-    """Median wall time of fn() in ms: CUDA events on the GPU, perf_counter on the CPU."""
-    for _ in range(warmup):
+def _call_ms(fn, device):
+    """Wall time of one fn() in ms: CUDA events on the GPU, perf_counter on the CPU."""
+    if device == "cuda":
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
         fn()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def interleaved_ms(fns, device, warmup=3, reps=10, budget_s=2.0):
+    """Median times of several functions, measured in rounds (one call of each per round) so
+    that every one sees the same machine: a slow spell on a shared 2-core machine then moves
+    all of a row's numbers, not the ratios between them. Returns {name: (median, samples)} and
+    {name: error} for those that raised during warm-up."""
+    live, errors = {}, {}
+    for name, fn in fns.items():
+        try:
+            for _ in range(warmup):
+                fn()
+            live[name] = fn
+        except Exception as e:  # a failing alternative is recorded, not fatal
+            errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    if not live:
+        return {}, errors
     _sync(device)
-    times = []
-    start_all = time.perf_counter()
-    for _ in range(reps):
-        if device == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        if len(times) >= 3 and time.perf_counter() - start_all > budget_s:
+    samples = {name: [] for name in live}
+    start = time.perf_counter()
+    for rounds in range(1, reps + 1):
+        for name, fn in live.items():
+            samples[name].append(_call_ms(fn, device))
+        if rounds >= 3 and time.perf_counter() - start > budget_s * len(live):
             break
-    return statistics.median(times), times
+    return {name: (statistics.median(t), t) for name, t in samples.items()}, errors
+
+
+def median_ms(fn, device, warmup=3, reps=10, budget_s=2.0):
+    """Median wall time of fn() in ms, and the samples."""
+    return interleaved_ms({"fn": fn}, device, warmup, reps, budget_s)[0]["fn"]
 
 
 def peak_extra_bytes(fn, device):
@@ -290,8 +311,26 @@ def run_row(impls: Impls, s: Shape, dtype, device, ceil, reps, with_backward=Tru
     gen = torch.Generator(device=device).manual_seed(1)
     g_out = torch.randn(ref_out.shape, generator=gen, device=device, dtype=dtype)
     g_probs = torch.randn(ref_probs.shape, generator=gen, device=device, dtype=dtype)
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+
+    def make_fwd(name):
+        def fwd():
+            with torch.no_grad():
+                return impls.call(name, q, k, v, s, scale)
+        return fwd
+
+    def make_fwdbwd(name):
+        def fwdbwd():
+            res = impls.call(name, *leaves, s, scale)
+            if name == "flash":
+                return torch.autograd.grad(res, leaves, g_out)
+            return torch.autograd.grad(res, leaves, (g_out, g_probs))
+        return fwdbwd
+
+    # Correctness, the override check and memory per implementation first; then the times of all
+    # of them interleaved, forward and forward+backward.
     for name in impls.names(dtype):
-        r = {}
+        r = row["impls"][name] = {}
         try:
             before = sdpa_math.interceptions()
             with torch.no_grad():
@@ -302,27 +341,19 @@ def run_row(impls: Impls, s: Shape, dtype, device, ceil, reps, with_backward=Tru
             r["rel_err_o"] = _rel(out, ref_out)
             r["rel_err_p"] = None if probs is None else _rel(probs, ref_probs)
             del res, out, probs
-
-            def fwd():
-                with torch.no_grad():
-                    return impls.call(name, q, k, v, s, scale)
-
-            r["fwd_ms"], r["fwd_samples"] = median_ms(fwd, device, reps=reps)
-            r["peak_extra_bytes"] = peak_extra_bytes(fwd, device)
+            r["peak_extra_bytes"] = peak_extra_bytes(make_fwd(name), device)
             if with_backward:
-                leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-
-                def fwdbwd():
-                    res = impls.call(name, *leaves, s, scale)
-                    if name == "flash":
-                        return torch.autograd.grad(res, leaves, g_out)
-                    return torch.autograd.grad(res, leaves, (g_out, g_probs))
-
-                r["fwdbwd_ms"], r["fwdbwd_samples"] = median_ms(fwdbwd, device, reps=reps)
-                r["fwdbwd_peak_extra_bytes"] = peak_extra_bytes(fwdbwd, device)
+                r["fwdbwd_peak_extra_bytes"] = peak_extra_bytes(make_fwdbwd(name), device)
         except Exception as e:  # a failing alternative is recorded, not fatal
             r["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-        row["impls"][name] = r
+    ok = [n for n, r in row["impls"].items() if "error" not in r]
+    phases = [("fwd", make_fwd)] + ([("fwdbwd", make_fwdbwd)] if with_backward else [])
+    for phase, make in phases:
+        timed, errors = interleaved_ms({n: make(n) for n in ok}, device, reps=reps)
+        for n, (median, samples) in timed.items():
+            row["impls"][n][f"{phase}_ms"], row["impls"][n][f"{phase}_samples"] = median, samples
+        for n, err in errors.items():
+            row["impls"][n]["error"] = err
     ours = row["impls"].get("ours", {})
     row["speedup"] = {}
     for phase in ("fwd_ms", "fwdbwd_ms"):
