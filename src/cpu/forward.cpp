@@ -40,14 +40,14 @@ void forward(const core::Problem& p, const ForwardOutputs& out) {
     for (int64_t t = 0; t < tasks; ++t) {
       const int64_t lead = t / blocks_per_head, i0 = (t % blocks_per_head) * block;
       const int64_t rows = std::min(block, p.L - i0);
-      pack.pack(p, lead, false);
+      pack.pack(p, lead);
       const RowContext ctx(p, lead);
       const int64_t q_at = core::lead_offset(p, p.query, lead);
       for (int64_t r = 0; r < rows; ++r)
         load_row(p.dtype, p.query.data, q_at + (i0 + r) * p.query.row_stride, p.query.col_stride, E, q.data() + r * E);
       const int64_t cols = ctx.visible(i0 + rows - 1);  // keys any row of the block can see
 
-      gemm(rows, cols, E, static_cast<float>(p.scale), q.data(), E, pack.key_t.data(), S, scores.data(), S, false);
+      gemm_nt(rows, cols, E, static_cast<float>(p.scale), q.data(), E, pack.key, pack.key_ld, scores.data(), S, false);
 
       const int64_t o_at = core::lead_offset(p, O, lead), p_at = core::lead_offset(p, P, lead),
                     l_at = core::lead_offset(p, LSE, lead);
@@ -66,7 +66,7 @@ void forward(const core::Problem& p, const ForwardOutputs& out) {
         store_row(LSE.dtype, static_cast<char*>(out.logsumexp.data), l_at + i * LSE.row_stride, 1, 1, lse_value);
       }
 
-      gemm(rows, Ev, cols, o_scale, scores.data(), S, pack.value.data(), Ev, o.data(), Ev, false);
+      gemm(rows, Ev, cols, o_scale, scores.data(), S, pack.value, pack.value_ld, o.data(), Ev, false);
       for (int64_t r = 0; r < rows; ++r)
         store_row(O.dtype, o_data, o_at + (i0 + r) * O.row_stride, O.col_stride, Ev, o.data() + r * Ev);
     }

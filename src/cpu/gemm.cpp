@@ -1,6 +1,7 @@
 #include "gemm.h"
 
 #include <cstring>
+#include <vector>
 
 namespace sdpa_math::cpu {
 namespace {
@@ -32,7 +33,7 @@ inline void micro(int64_t K, float alpha, const float* A, int64_t lda, const flo
     V b[NV];
     for (int v = 0; v < NV; ++v) b[v] = load<V>(B + k * ldb + v * W);
     for (int r = 0; r < MR; ++r) {
-      V a = V{} + A[r * lda + k];
+      const float a = A[r * lda + k];  // scalar * vector: a broadcast, not an add to a zero vector
       for (int v = 0; v < NV; ++v) acc[r][v] += a * b[v];
     }
   }
@@ -65,6 +66,41 @@ void gemm(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t 
     for (int64_t i = 0; i < M; ++i) {
       float acc = 0.0f;
       for (int64_t k = 0; k < K; ++k) acc += A[i * lda + k] * B[k * ldb + j];
+      C[i * ldc + j] = alpha * acc + (accumulate ? C[i * ldc + j] : 0.0f);
+    }
+}
+
+void gemm_nt(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda, const float* B, int64_t ldb,
+             float* C, int64_t ldc, bool accumulate) {
+  // B's rows are C's columns. Each panel of up to 32 of them is transposed into a small buffer
+  // (K x 32 floats: 8 KB at K = 64, in L1) that every row block of A then streams, so B is read
+  // once, row by row, whatever M is: no per-head transposed copy of K, which cost as much as the
+  // whole product when M is 1 (decode).
+  thread_local std::vector<float> panel;
+  panel.resize(static_cast<size_t>(K) * 32);
+  auto transpose_panel = [&](int64_t j, int64_t width) {
+    for (int64_t c = 0; c < width; ++c) {
+      const float* row = B + (j + c) * ldb;
+      for (int64_t k = 0; k < K; ++k) panel[k * width + c] = row[k];
+    }
+  };
+  int64_t j = 0;
+  for (; j + 32 <= N; j += 32) {
+    transpose_panel(j, 32);
+    column_panel<2, v16, 16>(M, K, alpha, A, lda, panel.data(), 32, C + j, ldc, accumulate);
+  }
+  for (; j + 16 <= N; j += 16) {
+    transpose_panel(j, 16);
+    column_panel<1, v16, 16>(M, K, alpha, A, lda, panel.data(), 16, C + j, ldc, accumulate);
+  }
+  for (; j + 8 <= N; j += 8) {
+    transpose_panel(j, 8);
+    column_panel<1, v8, 8>(M, K, alpha, A, lda, panel.data(), 8, C + j, ldc, accumulate);
+  }
+  for (; j < N; ++j)  // fewer than 8 columns left: dot products
+    for (int64_t i = 0; i < M; ++i) {
+      float acc = 0.0f;
+      for (int64_t k = 0; k < K; ++k) acc += A[i * lda + k] * B[j * ldb + k];
       C[i * ldc + j] = alpha * acc + (accumulate ? C[i * ldc + j] : 0.0f);
     }
 }

@@ -1,6 +1,6 @@
-// A small fp32 matrix product for the attention tiles: C = alpha * A * B (or C += ...), all
-// row-major with leading dimensions. Tiles here are at most a few hundred on a side and live in
-// cache, so a register-blocked kernel without packing is enough (see bench/NOTES.md).
+// Small fp32 matrix products for the attention tiles, all row-major with leading dimensions.
+// Tiles here are at most a few hundred on a side and live in cache, so a register-blocked kernel
+// without packing A is enough (see bench/NOTES.md).
 #pragma once
 
 #include <cstdint>
@@ -9,5 +9,9 @@ namespace sdpa_math::cpu {
 
 void gemm(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda, const float* B, int64_t ldb,
           float* C, int64_t ldc, bool accumulate);
+
+// C = alpha * A * B^T (or C += ...): B is N x K row-major (rows of K or V), read row by row.
+void gemm_nt(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda, const float* B, int64_t ldb,
+             float* C, int64_t ldc, bool accumulate);
 
 }  // namespace sdpa_math::cpu

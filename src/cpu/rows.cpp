@@ -99,31 +99,68 @@ void store_zeros(DType dtype, char* base, int64_t offset, int64_t stride, int64_
   }
 }
 
-void exp_rows(float* x, int64_t n) {
-  // Cody-Waite range reduction x = k ln2 + r, |r| <= ln2/2, then a degree-7 Taylor polynomial
-  // (truncation error r^8/8! < 6e-9) and 2^k built in the exponent bits. Branch-free, vectorises.
-  constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693145751953125f, kLn2Lo = 1.42860682030941723212e-6f;
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) {
-    float v = x[j];
-    const bool underflow = !(v >= -87.0f);  // also catches -inf and NaN-free masked entries
-    v = std::min(std::max(v, -87.0f), 88.0f);
-    float k = std::floor(v * kLog2e + 0.5f);
-    float r = v - k * kLn2Hi - k * kLn2Lo;
-    float poly = 1.0f / 5040.0f;
-    poly = poly * r + 1.0f / 720.0f;
-    poly = poly * r + 1.0f / 120.0f;
-    poly = poly * r + 1.0f / 24.0f;
-    poly = poly * r + 1.0f / 6.0f;
-    poly = poly * r + 0.5f;
-    poly = poly * r + 1.0f;
-    poly = poly * r + 1.0f;
-    int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-    float two_k;
-    std::memcpy(&two_k, &bits, 4);
-    x[j] = underflow ? 0.0f : poly * two_k;
-  }
+namespace {
+// 16 floats and 16 int32 (GCC/Clang vector extensions: one AVX-512 register, or two AVX2 ones).
+// The softmax's loops are written on these because GCC does not vectorise the scalar forms:
+// std::max and std::floor keep NaN and rounding-mode semantics that need -ffast-math to drop.
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+constexpr int64_t kLanes = 16;
+
+inline f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
 }
+inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
+inline f32x16 splat(float x) { return f32x16{} + x; }
+
+// exp(v): Cody-Waite range reduction v = k ln2 + r, |r| <= ln2/2, a degree-7 Taylor polynomial
+// (truncation error r^8/8! < 6e-9) and 2^k built in the exponent bits. Lanes below -87 (also
+// -inf and NaN) give 0; above 88 clamp (logits here are shifted by the row max, so <= 0).
+inline f32x16 exp16(f32x16 v) {
+  constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693145751953125f, kLn2Lo = 1.42860682030941723212e-6f;
+  const i32x16 keep = v >= splat(-87.0f);
+  v = v < splat(-87.0f) ? splat(-87.0f) : v;
+  v = v > splat(88.0f) ? splat(88.0f) : v;
+  const f32x16 t = v * kLog2e + 0.5f;
+  i32x16 k = __builtin_convertvector(t, i32x16);  // rounds toward zero: floor needs -1 below
+  k += __builtin_convertvector(k, f32x16) > t;    // a true comparison is -1
+  const f32x16 kf = __builtin_convertvector(k, f32x16);
+  const f32x16 r = v - kf * kLn2Hi - kf * kLn2Lo;
+  f32x16 poly = splat(1.0f / 5040.0f);
+  poly = poly * r + 1.0f / 720.0f;
+  poly = poly * r + 1.0f / 120.0f;
+  poly = poly * r + 1.0f / 24.0f;
+  poly = poly * r + 1.0f / 6.0f;
+  poly = poly * r + 0.5f;
+  poly = poly * r + 1.0f;
+  poly = poly * r + 1.0f;
+  const i32x16 two_k = (k + 127) << 23;
+  f32x16 two_kf;
+  std::memcpy(&two_kf, &two_k, sizeof two_kf);
+  const f32x16 e = poly * two_kf;
+  i32x16 bits;
+  std::memcpy(&bits, &e, sizeof bits);
+  bits &= keep;
+  f32x16 out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+// The last n % 16 elements go through a padded copy, so every lane runs the same code.
+template <class F>
+inline void for_tail(float* x, int64_t n, F&& f) {
+  const int64_t rest = n % kLanes;
+  if (rest == 0) return;
+  float buf[kLanes] = {};
+  float* tail = x + (n - rest);
+  std::memcpy(buf, tail, rest * sizeof(float));
+  f(buf, rest);
+  std::memcpy(tail, buf, rest * sizeof(float));
+}
+
+}  // namespace
 
 RowContext::RowContext(const core::Problem& problem, int64_t lead_index) : p(problem), lead(lead_index) {
   if (p.attn_mask.present()) mask_base = core::lead_offset(p, p.attn_mask, lead);
@@ -172,19 +209,37 @@ void RowContext::keep_row(int64_t i, float* keep, int64_t n) const {
 }
 
 float softmax_row(float* x, int64_t n) {
+  const int64_t full = n - n % kLanes;
+  f32x16 mv = splat(kNegInf);
+  for (int64_t j = 0; j < full; j += kLanes) {
+    const f32x16 v = load16(x + j);
+    mv = v > mv ? v : mv;
+  }
   float m = kNegInf;
-  for (int64_t j = 0; j < n; ++j) m = std::max(m, x[j]);
+  for (int64_t l = 0; l < kLanes; ++l) m = std::max(m, mv[l]);
+  for (int64_t j = full; j < n; ++j) m = std::max(m, x[j]);
   if (m == kNegInf) {  // fully masked (contract §6)
     std::fill(x, x + n, 0.0f);
     return kNegInf;
   }
-  for (int64_t j = 0; j < n; ++j) x[j] -= m;
-  exp_rows(x, n);
+  // exp(x - m) and its sum in one pass; padded tail lanes are -inf and add 0.
+  f32x16 sv = f32x16{};
+  for (int64_t j = 0; j < full; j += kLanes) {
+    const f32x16 e = exp16(load16(x + j) - m);
+    store16(x + j, e);
+    sv += e;
+  }
+  for_tail(x, n, [&](float* buf, int64_t rest) {
+    for (int64_t l = rest; l < kLanes; ++l) buf[l] = kNegInf;
+    const f32x16 e = exp16(load16(buf) - m);
+    store16(buf, e);
+    sv += e;
+  });
   float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t j = 0; j < n; ++j) sum += x[j];
+  for (int64_t l = 0; l < kLanes; ++l) sum += sv[l];
   const float inv = 1.0f / sum;
-  for (int64_t j = 0; j < n; ++j) x[j] *= inv;
+  for (int64_t j = 0; j < full; j += kLanes) store16(x + j, load16(x + j) * inv);
+  for (int64_t j = full; j < n; ++j) x[j] *= inv;
   return m + std::log(sum);
 }
 
@@ -193,32 +248,44 @@ int threads_for(int64_t tasks) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(t, tasks)));
 }
 
-void HeadPack::pack(const core::Problem& p, int64_t lead, bool for_backward) {
+namespace {
+// Points `rows` at operand `op`'s (n x width) block at `at` as fp32 rows, converting into `copy`
+// unless the block is already fp32 with unit column stride.
+void fp32_rows(const core::Operand& op, int64_t at, int64_t n, int64_t width, std::vector<float>& copy,
+               const float*& rows, int64_t& ld) {
+  if (op.dtype == DType::Float32 && op.col_stride == 1) {
+    rows = reinterpret_cast<const float*>(op.data) + at;
+    ld = op.row_stride;
+    return;
+  }
+  copy.resize(n * width);
+  for (int64_t j = 0; j < n; ++j)
+    load_row(op.dtype, op.data, at + j * op.row_stride, op.col_stride, width, copy.data() + j * width);
+  rows = copy.data();
+  ld = width;
+}
+}  // namespace
+
+void HeadPack::pack(const core::Problem& p, int64_t lead) {
   const int64_t k_at = core::lead_offset(p, p.key, lead), v_at = core::lead_offset(p, p.value, lead);
-  const int64_t S = p.S, E = p.E, Ev = p.Ev;
   if (k_at != key_at) {
-    key_t.resize(E * S);
-    for (int64_t e = 0; e < E; ++e)
-      load_row(p.key.dtype, p.key.data, k_at + e * p.key.col_stride, p.key.row_stride, S, key_t.data() + e * S);
-    if (for_backward) {
-      key.resize(S * E);
-      for (int64_t j = 0; j < S; ++j)
-        load_row(p.key.dtype, p.key.data, k_at + j * p.key.row_stride, p.key.col_stride, E, key.data() + j * E);
-    }
+    fp32_rows(p.key, k_at, p.S, p.E, key_copy, key, key_ld);
     key_at = k_at;
   }
   if (v_at != value_at) {
-    if (for_backward) {
-      value_t.resize(Ev * S);
-      for (int64_t e = 0; e < Ev; ++e)
-        load_row(p.value.dtype, p.value.data, v_at + e * p.value.col_stride, p.value.row_stride, S, value_t.data() + e * S);
-    } else {
-      value.resize(S * Ev);
-      for (int64_t j = 0; j < S; ++j)
-        load_row(p.value.dtype, p.value.data, v_at + j * p.value.row_stride, p.value.col_stride, Ev, value.data() + j * Ev);
-    }
+    fp32_rows(p.value, v_at, p.S, p.Ev, value_copy, value, value_ld);
     value_at = v_at;
   }
+}
+
+float dot_row(const float* a, const float* b, int64_t n) {
+  const int64_t full = n - n % kLanes;
+  f32x16 acc = f32x16{};
+  for (int64_t j = 0; j < full; j += kLanes) acc += load16(a + j) * load16(b + j);
+  float sum = 0.0f;
+  for (int64_t l = 0; l < kLanes; ++l) sum += acc[l];
+  for (int64_t j = full; j < n; ++j) sum += a[j] * b[j];
+  return sum;
 }
 
 }  // namespace sdpa_math::cpu

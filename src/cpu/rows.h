@@ -14,9 +14,6 @@ void load_row(DType dtype, const char* base, int64_t offset, int64_t stride, int
 void store_row(DType dtype, char* base, int64_t offset, int64_t stride, int64_t n, const float* in);
 void store_zeros(DType dtype, char* base, int64_t offset, int64_t stride, int64_t n);
 
-// exp for the softmax: |relative error| < 2e-7 for x in [-87, 88]; 0 below (so -inf gives 0).
-void exp_rows(float* x, int64_t n);
-
 // The per-head state of one query row i: what the mask adds, which columns causal allows.
 struct RowContext {
   const core::Problem& p;
@@ -34,22 +31,30 @@ struct RowContext {
 };
 
 // Softmax of one row of logits in place; returns the log-sum-exp (-inf when every logit is
-// -inf, and then the row is all zeros: contract §6).
+// -inf, and then the row is all zeros: contract §6). exp has |relative error| < 2e-7 on
+// [-87, 0] and gives 0 below -87.
 float softmax_row(float* x, int64_t n);
 
 
 // Threads to use for `tasks` independent tasks.
 int threads_for(int64_t tasks);
 
-// One head's key and value, converted to fp32 in the layouts the tile products want, cached
-// while consecutive tasks of a thread stay on the same head.
+// One head's key and value as fp32 rows (S x E and S x Ev), the B operands of every tile
+// product: pointers straight into the inputs when they are fp32 with unit column stride, else
+// converted copies, kept while consecutive tasks of a thread stay on the same head.
 struct HeadPack {
+  const float* key = nullptr;
+  int64_t key_ld = 0;
+  const float* value = nullptr;
+  int64_t value_ld = 0;
+  void pack(const core::Problem& p, int64_t lead);
+
+ private:
   int64_t key_at = -1, value_at = -1;
-  std::vector<float> key_t;    // (E, S): B operand of S = Q K^T
-  std::vector<float> key;      // (S, E): B operand of dQ = dS K      (backward only)
-  std::vector<float> value;    // (S, Ev): B operand of O = W V       (forward only)
-  std::vector<float> value_t;  // (Ev, S): B operand of G = dO V^T    (backward only)
-  void pack(const core::Problem& p, int64_t lead, bool for_backward);
+  std::vector<float> key_copy, value_copy;
 };
+
+// sum_j a[j] * b[j] in fp32, vectorised.
+float dot_row(const float* a, const float* b, int64_t n);
 
 }  // namespace sdpa_math::cpu

@@ -1,0 +1,122 @@
+// The CPU backend's building blocks against plain double-precision loops: the tile products
+// (every register-block and tail path: 32/16/8-wide panels, fewer than 8 columns, 8/4/1-row
+// blocks, leading dimensions wider than the tile, accumulate) and the vectorised softmax
+// (lengths that are and are not multiples of the 16-lane vectors, -inf entries, masked rows).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "cpu/gemm.h"
+#include "cpu/rows.h"
+
+namespace sdpa_math::cpu {
+namespace {
+
+struct Dims {
+  int64_t M, N, K;
+};
+
+std::vector<float> random_floats(std::mt19937_64& rng, size_t n) {
+  std::normal_distribution<float> d;
+  std::vector<float> v(n);
+  for (float& x : v) x = d(rng);
+  return v;
+}
+
+class TileProduct : public ::testing::TestWithParam<Dims> {};
+
+TEST_P(TileProduct, MatchesDoubleLoops) {
+  const auto [M, N, K] = GetParam();
+  std::mt19937_64 rng(M * 1000003 + N * 1009 + K);
+  // Padded leading dimensions: the kernels must honour them, not assume packed rows.
+  const int64_t lda = K + 3, ldb_nn = N + 5, ldb_nt = K + 7, ldc = N + 2;
+  const std::vector<float> A = random_floats(rng, M * lda), Bnn = random_floats(rng, K * ldb_nn),
+                           Bnt = random_floats(rng, N * ldb_nt), C0 = random_floats(rng, M * ldc);
+  const float alpha = 0.75f;
+  for (bool nt : {false, true}) {
+    for (bool accumulate : {false, true}) {
+      std::vector<float> C = C0;
+      if (nt) gemm_nt(M, N, K, alpha, A.data(), lda, Bnt.data(), ldb_nt, C.data(), ldc, accumulate);
+      else gemm(M, N, K, alpha, A.data(), lda, Bnn.data(), ldb_nn, C.data(), ldc, accumulate);
+      for (int64_t i = 0; i < M; ++i) {
+        for (int64_t j = 0; j < N; ++j) {
+          double want = 0.0, scale = 0.0;
+          for (int64_t k = 0; k < K; ++k) {
+            const double b = nt ? Bnt[j * ldb_nt + k] : Bnn[k * ldb_nn + j];
+            want += static_cast<double>(A[i * lda + k]) * b;
+            scale += std::fabs(A[i * lda + k] * b);
+          }
+          want = alpha * want + (accumulate ? C0[i * ldc + j] : 0.0);
+          ASSERT_NEAR(C[i * ldc + j], want, 1e-6 * (scale + 1.0))
+              << (nt ? "gemm_nt" : "gemm") << (accumulate ? " accumulate" : "") << " at " << i << "," << j;
+        }
+        for (int64_t j = N; j < ldc; ++j)  // padding columns untouched
+          ASSERT_EQ(C[i * ldc + j], C0[i * ldc + j]) << "wrote past column " << N;
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, TileProduct,
+                         ::testing::Values(Dims{1, 1, 1}, Dims{1, 2048, 64}, Dims{8, 32, 64}, Dims{13, 61, 17},
+                                           Dims{64, 256, 64}, Dims{7, 48, 128}, Dims{12, 5, 3}, Dims{64, 64, 256},
+                                           Dims{3, 100, 1}),
+                         [](const ::testing::TestParamInfo<Dims>& info) {
+                           return "M" + std::to_string(info.param.M) + "_N" + std::to_string(info.param.N) + "_K" +
+                                  std::to_string(info.param.K);
+                         });
+
+TEST(SoftmaxRow, MatchesDoubleSoftmax) {
+  std::mt19937_64 rng(7);
+  const float inf = std::numeric_limits<float>::infinity();
+  for (int64_t n : {1, 5, 15, 16, 17, 31, 64, 100, 257}) {
+    std::vector<float> x = random_floats(rng, n);
+    for (float& v : x) v *= 8.0f;
+    if (n > 3) x[2] = -inf;  // a masked key
+    if (n > 20) x[n - 1] = -100.0f;  // below exp's underflow cut
+    std::vector<float> y = x;
+    const float lse = softmax_row(y.data(), n);
+    double m = -inf, sum = 0.0;
+    for (float v : x) m = std::max<double>(m, v);
+    for (float v : x) sum += std::exp(static_cast<double>(v) - m);
+    EXPECT_NEAR(lse, m + std::log(sum), 1e-5 * (1.0 + std::fabs(m))) << "n=" << n;
+    double total = 0.0;
+    for (int64_t j = 0; j < n; ++j) {
+      const double shifted = static_cast<double>(x[j]) - m, want = std::exp(shifted) / sum;
+      // x - m is rounded to fp32 first: its error, |x - m| * 2^-24, is exp's relative error.
+      const double tol = want == 0.0 ? 0.0 : want * (1e-6 + 1.2e-7 * std::fabs(shifted)) + 1e-37;
+      EXPECT_NEAR(y[j], want, tol) << "n=" << n << " j=" << j;
+      total += y[j];
+    }
+    EXPECT_NEAR(total, 1.0, 1e-5) << "n=" << n;
+    if (n > 3) EXPECT_EQ(y[2], 0.0f);
+  }
+}
+
+TEST(SoftmaxRow, FullyMaskedRowIsZero) {
+  const float inf = std::numeric_limits<float>::infinity();
+  for (int64_t n : {1, 16, 19}) {
+    std::vector<float> x(n, -inf);
+    EXPECT_EQ(softmax_row(x.data(), n), -inf);
+    for (float v : x) EXPECT_EQ(v, 0.0f);
+  }
+}
+
+TEST(DotRow, MatchesDoubleLoop) {
+  std::mt19937_64 rng(11);
+  for (int64_t n : {0, 1, 15, 16, 33, 300}) {
+    const std::vector<float> a = random_floats(rng, n), b = random_floats(rng, n);
+    double want = 0.0, scale = 0.0;
+    for (int64_t j = 0; j < n; ++j) {
+      want += static_cast<double>(a[j]) * b[j];
+      scale += std::fabs(a[j] * b[j]);
+    }
+    EXPECT_NEAR(dot_row(a.data(), b.data(), n), want, 1e-6 * (scale + 1.0)) << "n=" << n;
+  }
+}
+
+}  // namespace
+}  // namespace sdpa_math::cpu
