@@ -1,14 +1,17 @@
-// CPU backward (contract §11). Per task (one head, one block of query rows) the softmax A is
-// recomputed from Q and K, row by row by max and sum as the forward took it (A is needed where
-// dropout zeroed P, so the stored P cannot serve), then
+// CPU backward (contract §11). Per task (one head, one block of query rows):
+//   A = the softmax: the saved P when there is no dropout (P is A then), else recomputed from Q
+//       and K row by row by max and sum as the forward took it;
 //   G = dO V^T,  dA by the dropout rule,  dS = A (dA - rowsum(A dA)),
 //   dQ += scale dS K,  dK += scale dS^T Q,  dV += W^T dO,  dMask += dS.
-// Gradients accumulate in fp32 per thread (in dense buffers of each input's own shape, where
-// broadcast and GQA copies sum by construction), then are summed and written once.
+// dQ, dK and dV accumulate in fp32 in one dense buffer per input, of the input's own shape (where
+// broadcast and GQA copies sum by construction), shared by the threads: a thread sums a head's dK
+// and dV privately and adds them in when it moves to another head (or writes them directly when
+// the head is its task alone); a task writes its dQ rows directly unless Q is broadcast. A float32 contiguous gradient is that buffer itself.
 #include <omp.h>
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <vector>
 
 #include "../core/element.h"
@@ -19,20 +22,75 @@
 namespace sdpa_math::cpu {
 namespace {
 
-struct Grads {
-  std::vector<float> q, k, v, mask;
-};
-
 // dst += src over a (rows x cols) block with the given strides of dst.
 void add_block(float* dst, int64_t row_stride, int64_t col_stride, const float* src, int64_t rows, int64_t cols) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) dst[r * row_stride + c * col_stride] += src[r * cols + c];
+  for (int64_t r = 0; r < rows; ++r) {
+    float* d = dst + r * row_stride;
+    const float* s = src + r * cols;
+    if (col_stride == 1) {
+      for (int64_t c = 0; c < cols; ++c) d[c] += s[c];
+    } else {
+      for (int64_t c = 0; c < cols; ++c) d[c * col_stride] += s[c];
+    }
+  }
 }
 
 void transpose(const float* src, int64_t rows, int64_t cols, int64_t src_ld, float* dst) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < cols; ++c) dst[c * rows + r] = src[r * src_ld + c];
 }
+
+bool is_contiguous(const TensorView& v) {
+  int64_t expect = 1;
+  for (int d = v.shape.ndim - 1; d >= 0; --d) {
+    if (v.shape.dims[d] != 1 && v.strides[d] != expect) return false;
+    expect *= v.shape.dims[d];
+  }
+  return true;
+}
+
+// The fp32 accumulator of one requested gradient: the output itself when it is float32 and
+// contiguous (then nothing is copied at the end), else a dense buffer written out once. It is
+// zeroed (by all threads) only where tasks add into it rather than write their rows outright.
+struct GradBuffer {
+  float* data = nullptr;
+  int64_t numel = 0;
+  bool zero_first = true;
+  std::unique_ptr<float[]> own;  // uninitialised: zeroed or written in the parallel region
+  const TensorView* view = nullptr;
+
+  void init(const std::optional<TensorView>& out) {
+    if (!out) return;
+    view = &*out;
+    numel = out->shape.numel();
+    if (out->dtype == DType::Float32 && is_contiguous(*out)) {
+      data = static_cast<float*>(out->data);
+    } else {
+      own.reset(new float[numel]);
+      data = own.get();
+    }
+  }
+  // Called by every thread of the team.
+  void zero_in_parallel() const {
+    if (!data || !zero_first) return;
+    constexpr int64_t kChunk = 1 << 16;
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < numel; c += kChunk) std::fill(data + c, data + std::min(numel, c + kChunk), 0.0f);
+  }
+  // Writes the dense buffer into a non-contiguous or non-fp32 output, a row at a time.
+  void finish() const {
+    if (!view || !own) return;
+    const TensorView& v = *view;
+    const int last = v.shape.ndim - 1;
+    const int64_t width = v.shape.dims[last];
+    Shape rows_shape = v.shape;
+    rows_shape.ndim = last;
+    char* base = static_cast<char*>(v.data);
+    core::for_each_element(rows_shape, v.strides, [&](int64_t linear, int64_t offset) {
+      store_row(v.dtype, base, offset, v.strides[last], width, own.get() + linear * width);
+    });
+  }
+};
 
 }  // namespace
 
@@ -42,31 +100,61 @@ void backward(const core::Problem& p, const BackwardArgs& args, const BackwardOu
   const bool want_mask = out.grad_attn_mask.has_value();
   const core::Operand dO = has_dO ? core::output_operand(p, *args.grad_output, true) : core::Operand{};
   const core::Operand dP = has_dP ? core::output_operand(p, *args.grad_probs, true) : core::Operand{};
+  // Without dropout the forward's P is A itself (rounded to P's dtype, as the math op's own
+  // backward takes it); with dropout P has zeros where A has none, so A is recomputed.
+  const bool saved_A = args.attn_probs.has_value() && p.dropout == core::DropoutMode::None;
+  const core::Operand Psaved = saved_A ? core::output_operand(p, *args.attn_probs, true) : core::Operand{};
   const int64_t block = rows_per_block(S);
   const int64_t blocks_per_head = (p.L + block - 1) / block;
   const int64_t tasks = p.num_lead * blocks_per_head;
   const float c = static_cast<float>(p.keep_scale());
   const float scale = static_cast<float>(p.scale);
   const int nthreads = threads_for(std::max<int64_t>(tasks, 1));
-  std::vector<Grads> grads(nthreads);
+
+  GradBuffer gq, gk, gv;
+  gq.init(out.grad_query);
+  gk.init(out.grad_key);
+  gv.init(out.grad_value);
+  // Distinct (lead, row) pairs own distinct dQ rows unless Q is broadcast over a lead dim: then
+  // each task writes its dQ rows outright.
+  const bool q_rows_owned = p.query.own_shape.numel() == p.num_lead * p.L * E;
+  // With one task per head (L within one block: decode) and no GQA or broadcast on K (V), a
+  // task owns its head's dK (dV) rows outright and writes them (the keys it cannot see: zeros).
+  const bool k_rows_owned = blocks_per_head == 1 && p.key.own_shape.numel() == p.num_lead * S * E;
+  const bool v_rows_owned = blocks_per_head == 1 && p.value.own_shape.numel() == p.num_lead * S * Ev && has_dO;
+  gq.zero_first = !q_rows_owned;
+  gk.zero_first = !k_rows_owned;
+  gv.zero_first = !v_rows_owned;
+  // The mask is usually broadcast over heads: each thread sums its dMask privately.
+  std::vector<std::vector<float>> gmask(want_mask ? nthreads : 0);
 
 #pragma omp parallel num_threads(nthreads)
   {
-    Grads& g = grads[omp_get_thread_num()];
-    g.q.assign(p.query.own_shape.numel(), 0.0f);
-    g.k.assign(p.key.own_shape.numel(), 0.0f);
-    g.v.assign(p.value.own_shape.numel(), 0.0f);
-    g.mask.assign(want_mask ? p.attn_mask.own_shape.numel() : 0, 0.0f);
+    float* gm_thread = nullptr;
+    if (want_mask) {
+      std::vector<float>& mine = gmask[omp_get_thread_num()];
+      mine.assign(p.attn_mask.own_shape.numel(), 0.0f);
+      gm_thread = mine.data();
+    }
+    gq.zero_in_parallel();
+    gk.zero_in_parallel();
+    gv.zero_in_parallel();
     HeadPack pack;
     std::vector<float> q(block * E), dout(block * Ev), A(block * S), dA(block * S), W(block * S);
-    std::vector<float> transposed(S * block), dk(S * E), dv(S * Ev), tmp(S), keep(S), dp(S);
+    std::vector<float> transposed(S * block), tmp(S), keep(S), dp(S), dq_block(block * E);
+    std::vector<float> dk(gk.data && !k_rows_owned ? S * E : 0), dv(gv.data && !v_rows_owned ? S * Ev : 0);
     int64_t acc_lead = -1;  // the head whose dK, dV sit in dk, dv
     auto flush = [&]() {
       if (acc_lead < 0) return;
-      add_block(g.k.data() + core::dense_lead_offset(p, p.key, acc_lead), p.key.dense_row_stride,
-                p.key.dense_col_stride, dk.data(), S, E);
-      add_block(g.v.data() + core::dense_lead_offset(p, p.value, acc_lead), p.value.dense_row_stride,
-                p.value.dense_col_stride, dv.data(), S, Ev);
+#pragma omp critical(sdpa_math_cpu_dkv)
+      {
+        if (!dk.empty())
+          add_block(gk.data + core::dense_lead_offset(p, p.key, acc_lead), p.key.dense_row_stride,
+                    p.key.dense_col_stride, dk.data(), S, E);
+        if (!dv.empty())
+          add_block(gv.data + core::dense_lead_offset(p, p.value, acc_lead), p.value.dense_row_stride,
+                    p.value.dense_col_stride, dv.data(), S, Ev);
+      }
       std::fill(dk.begin(), dk.end(), 0.0f);
       std::fill(dv.begin(), dv.end(), 0.0f);
     };
@@ -79,86 +167,114 @@ void backward(const core::Problem& p, const BackwardArgs& args, const BackwardOu
         flush();
         acc_lead = lead;
       }
-      pack.pack(p, lead, true);
+      pack.pack(p, lead);
       const RowContext ctx(p, lead);
       const int64_t q_at = core::lead_offset(p, p.query, lead);
       for (int64_t r = 0; r < rows; ++r)
         load_row(p.dtype, p.query.data, q_at + (i0 + r) * p.query.row_stride, p.query.col_stride, E, q.data() + r * E);
       const int64_t cols = ctx.visible(i0 + rows - 1);
 
-      // A = softmax recomputed; G = dO V^T into dA.
-      gemm(rows, cols, E, scale, q.data(), E, pack.key_t.data(), S, A.data(), S, false);
+      // The logits when A is recomputed; G = dO V^T into dA.
+      if (!saved_A) gemm_nt(rows, cols, E, scale, q.data(), E, pack.key, pack.key_ld, A.data(), S, false);
       if (has_dO) {
         const int64_t at = core::lead_offset(p, dO, lead);
         for (int64_t r = 0; r < rows; ++r)
           load_row(dO.dtype, dO.data, at + (i0 + r) * dO.row_stride, dO.col_stride, Ev, dout.data() + r * Ev);
-        gemm(rows, cols, Ev, 1.0f, dout.data(), Ev, pack.value_t.data(), S, dA.data(), S, false);
+        gemm_nt(rows, cols, Ev, 1.0f, dout.data(), Ev, pack.value, pack.value_ld, dA.data(), S, false);
       } else {
         std::fill(dA.begin(), dA.end(), 0.0f);
       }
       const int64_t dp_at = has_dP ? core::lead_offset(p, dP, lead) : 0;
+      const int64_t pa_at = saved_A ? core::lead_offset(p, Psaved, lead) : 0;
       const int64_t gm_at = want_mask ? core::dense_lead_offset(p, p.attn_mask, lead) : 0;
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = i0 + r;
         float* a = A.data() + r * S;
         float* da = dA.data() + r * S;
         float* w = W.data() + r * S;
-        ctx.mask_scores(i, a, cols, tmp.data());
-        // The softmax again, as the forward took it (max, sum, divide), not exp(s - lse): where
-        // every logit is near finfo.min, lse rounds to the max and would lose the 1/sum.
-        softmax_row(a, cols);
+        if (saved_A) {
+          load_row(Psaved.dtype, Psaved.data, pa_at + i * Psaved.row_stride, Psaved.col_stride, cols, a);
+        } else {
+          ctx.mask_scores(i, a, cols, tmp.data());
+          // The softmax again, as the forward took it (max, sum, divide), not exp(s - lse): where
+          // every logit is near finfo.min, lse rounds to the max and would lose the 1/sum.
+          softmax_row(a, cols);
+        }
         if (has_dP) load_row(dP.dtype, dP.data, dp_at + i * dP.row_stride, dP.col_stride, cols, dp.data());
         else std::fill(dp.begin(), dp.begin() + cols, 0.0f);
-        ctx.keep_row(i, keep.data(), cols);
         // dA and W per the table of contract §11 (W = A without dropout, c A M with either rule).
         switch (p.dropout) {
           case core::DropoutMode::None:
-            for (int64_t j = 0; j < cols; ++j) { da[j] += dp[j]; w[j] = a[j]; }
+            for (int64_t j = 0; j < cols; ++j) da[j] += dp[j];
             break;
           case core::DropoutMode::ExplicitMask:
+            ctx.keep_row(i, keep.data(), cols);
             for (int64_t j = 0; j < cols; ++j) { da[j] = keep[j] * (c * da[j] + dp[j]); w[j] = c * a[j] * keep[j]; }
             break;
           case core::DropoutMode::Random:
+            ctx.keep_row(i, keep.data(), cols);
             for (int64_t j = 0; j < cols; ++j) { da[j] = c * keep[j] * (da[j] + dp[j]); w[j] = c * a[j] * keep[j]; }
             break;
         }
-        float delta = 0.0f;
-        for (int64_t j = 0; j < cols; ++j) delta += a[j] * da[j];
+        const float delta = dot_row(a, da, cols);
         for (int64_t j = 0; j < cols; ++j) da[j] = a[j] * (da[j] - delta);  // dS
         if (want_mask) {
-          float* gm = g.mask.data() + gm_at + i * p.attn_mask.dense_row_stride;
+          float* gm = gm_thread + gm_at + i * p.attn_mask.dense_row_stride;
           for (int64_t j = 0; j < cols; ++j) gm[j * p.attn_mask.dense_col_stride] += da[j];
         }
       }
-      // dQ += scale dS K, straight into the dense buffer (its rows are E apart).
-      gemm(rows, E, cols, scale, dA.data(), S, pack.key.data(), E,
-           g.q.data() + core::dense_lead_offset(p, p.query, lead) + i0 * p.query.dense_row_stride,
-           p.query.dense_row_stride, true);
+      // W is A itself without dropout (the product below reads A then).
+      const float* weights = p.dropout == core::DropoutMode::None ? A.data() : W.data();
+
+      // dQ += scale dS K: straight into the shared buffer when this task owns the rows.
+      if (gq.data) {
+        float* dq_rows = gq.data + core::dense_lead_offset(p, p.query, lead) + i0 * p.query.dense_row_stride;
+        if (q_rows_owned) {
+          gemm(rows, E, cols, scale, dA.data(), S, pack.key, pack.key_ld, dq_rows, p.query.dense_row_stride, false);
+        } else {
+          gemm(rows, E, cols, scale, dA.data(), S, pack.key, pack.key_ld, dq_block.data(), E, false);
+#pragma omp critical(sdpa_math_cpu_dq)
+          add_block(dq_rows, p.query.dense_row_stride, p.query.dense_col_stride, dq_block.data(), rows, E);
+        }
+      }
       // dK += scale dS^T Q and dV += W^T dO for the keys this block sees.
-      transpose(dA.data(), rows, cols, S, transposed.data());
-      gemm(cols, E, rows, scale, transposed.data(), rows, q.data(), E, dk.data(), E, true);
-      if (has_dO) {
-        transpose(W.data(), rows, cols, S, transposed.data());
-        gemm(cols, Ev, rows, 1.0f, transposed.data(), rows, dout.data(), Ev, dv.data(), Ev, true);
+      auto zero_hidden_keys = [&](float* head, int64_t row_stride, int64_t width) {
+        for (int64_t j = cols; j < S; ++j) std::fill(head + j * row_stride, head + j * row_stride + width, 0.0f);
+      };
+      if (gk.data) {
+        transpose(dA.data(), rows, cols, S, transposed.data());
+        if (k_rows_owned) {
+          float* head = gk.data + core::dense_lead_offset(p, p.key, lead);
+          gemm(cols, E, rows, scale, transposed.data(), rows, q.data(), E, head, p.key.dense_row_stride, false);
+          zero_hidden_keys(head, p.key.dense_row_stride, E);
+        } else {
+          gemm(cols, E, rows, scale, transposed.data(), rows, q.data(), E, dk.data(), E, true);
+        }
+      }
+      if (gv.data && has_dO) {
+        transpose(weights, rows, cols, S, transposed.data());
+        if (v_rows_owned) {
+          float* head = gv.data + core::dense_lead_offset(p, p.value, lead);
+          gemm(cols, Ev, rows, 1.0f, transposed.data(), rows, dout.data(), Ev, head, p.value.dense_row_stride, false);
+          zero_hidden_keys(head, p.value.dense_row_stride, Ev);
+        } else {
+          gemm(cols, Ev, rows, 1.0f, transposed.data(), rows, dout.data(), Ev, dv.data(), Ev, true);
+        }
       }
     }
     flush();
   }
 
-  // Sum the threads' buffers into the first, then write each requested gradient once.
-  auto reduce_and_write = [&](std::vector<float> Grads::*member, const std::optional<TensorView>& view) {
-    if (!view) return;
-    std::vector<float>& total = grads[0].*member;
+  gq.finish();
+  gk.finish();
+  gv.finish();
+  if (want_mask) {
+    std::vector<float>& total = gmask[0];
     const int64_t n = static_cast<int64_t>(total.size());
-#pragma omp parallel for num_threads(threads_for(n / 65536 + 1))
-    for (int64_t e = 0; e < n; ++e)
-      for (size_t t = 1; t < grads.size(); ++t) total[e] += (grads[t].*member)[e];
-    core::write_dense(total.data(), *view);
-  };
-  reduce_and_write(&Grads::q, out.grad_query);
-  reduce_and_write(&Grads::k, out.grad_key);
-  reduce_and_write(&Grads::v, out.grad_value);
-  reduce_and_write(&Grads::mask, out.grad_attn_mask);
+    for (size_t t = 1; t < gmask.size(); ++t)
+      for (int64_t e = 0; e < n; ++e) total[e] += gmask[t][e];
+    core::write_dense(total.data(), *out.grad_attn_mask);
+  }
 }
 
 }  // namespace sdpa_math::cpu

@@ -14,8 +14,10 @@ struct Grads {
   Tensor dq, dk, dv, dmask;
 };
 
-// Runs backward with the forward's lse; a float mask gets its gradient.
-Grads run_backward(Backend backend, const Built& b, const TensorView* dO, const TensorView* dP, DType grad_dtype) {
+// Runs backward with the forward's lse (and, with `saved`, its O and P, which the CPU backward
+// reads A from when there is no dropout); a float mask gets its gradient.
+Grads run_backward(Backend backend, const Built& b, const TensorView* dO, const TensorView* dP, DType grad_dtype,
+                   bool saved = false) {
   const ForwardShapes s = forward_shapes(b.args);
   Tensor o = empty_tensor(grad_dtype, s.output), p = empty_tensor(grad_dtype, s.attn_probs),
          lse = empty_tensor(DType::Float32, s.logsumexp);
@@ -23,6 +25,10 @@ Grads run_backward(Backend backend, const Built& b, const TensorView* dO, const 
   BackwardArgs args;
   args.forward = b.args;
   args.logsumexp = lse.view;
+  if (saved) {
+    args.output = o.view;
+    args.attn_probs = p.view;
+  }
   if (dO) args.grad_output = *dO;
   if (dP) args.grad_probs = *dP;
   Grads g{empty_tensor(grad_dtype, b.q.view.shape), empty_tensor(grad_dtype, b.k.view.shape),
@@ -192,16 +198,18 @@ TEST_P(CpuBackward, MatchesReference) {
   const TensorView* dO = bc.with_dO ? &gO.view : nullptr;
   const TensorView* dP = bc.with_dP ? &gP.view : nullptr;
   Grads ref = run_backward(Backend::Reference, b, dO, dP, DType::Float64);
-  Grads cpu = run_backward(Backend::Cpu, b, dO, dP, bc.c.dtype);
   const double u = bc.c.dtype == DType::Float32 ? 1e-5 : unit_roundoff(bc.c.dtype);
-  const std::pair<const char*, std::pair<const Tensor*, const Tensor*>> pairs[] = {
-      {"dq", {&cpu.dq, &ref.dq}}, {"dk", {&cpu.dk, &ref.dk}}, {"dv", {&cpu.dv, &ref.dv}}, {"dmask", {&cpu.dmask, &ref.dmask}}};
-  for (const auto& [name, t] : pairs) {
-    if (!t.second->view.data) continue;
-    std::vector<double> x = read(t.first->view), r = read(t.second->view);
-    Errors e = compare(x, r, u, 2 * u * std::max(max_abs(r), 1e-30));
-    EXPECT_EQ(e.bad, 0) << name << ": " << describe(e);
-    EXPECT_LE(e.rel_frobenius, 2 * u) << name << ": " << describe(e);
+  for (bool saved : {false, true}) {
+    Grads cpu = run_backward(Backend::Cpu, b, dO, dP, bc.c.dtype, saved);
+    const std::pair<const char*, std::pair<const Tensor*, const Tensor*>> pairs[] = {
+        {"dq", {&cpu.dq, &ref.dq}}, {"dk", {&cpu.dk, &ref.dk}}, {"dv", {&cpu.dv, &ref.dv}}, {"dmask", {&cpu.dmask, &ref.dmask}}};
+    for (const auto& [name, t] : pairs) {
+      if (!t.second->view.data) continue;
+      std::vector<double> x = read(t.first->view), r = read(t.second->view);
+      Errors e = compare(x, r, u, 2 * u * std::max(max_abs(r), 1e-30));
+      EXPECT_EQ(e.bad, 0) << name << (saved ? " (saved P)" : "") << ": " << describe(e);
+      EXPECT_LE(e.rel_frobenius, 2 * u) << name << (saved ? " (saved P)" : "") << ": " << describe(e);
+    }
   }
 }
 
