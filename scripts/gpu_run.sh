@@ -2,7 +2,7 @@
 # One call on the GPU machine does the whole job: check the machine, load the extension (the
 # one carried from the build machine at python/sdpa_math/_C.so, else build it there), run the
 # GPU tests, run a subset under compute-sanitizer, and benchmark. Raw results go under $OUT.
-#   bash scripts/gpu_run.sh [tests] [sanitize] [bench] [bench-full] [model]
+#   bash scripts/gpu_run.sh [tests] [sanitize] [bench] [bench-full] [model] [demo] [profile]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -41,6 +41,19 @@ for stage in $stages; do
     model)
       log "model and transformers tests at GPU sizes"
       python3 -m pytest -q -s -p no:cacheprovider tests/python/test_model.py tests/python/test_transformers.py 2>&1 | tee "$OUT/model.log" | tail -40 ;;
+    demo)
+      log "demo (TinyLlama layer 0 on the GPU)"
+      python3 -m sdpa_math demo --out "$OUT/demo.png" 2>&1 | tee "$OUT/demo.log" | tail -20 ;;
+    profile)
+      # Where the tensor-core kernels spend their time, for the next performance step.
+      for shape in prefill1k_d128 decode_s2k_d128; do
+        log "ncu $shape"
+        ncu --clock-control none --kernel-name regex:'forward_tc|backward_tc' --launch-skip 2 --launch-count 2 \
+          --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+          --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+          python3 tests/gpu/profile_anchor.py $shape > "$OUT/ncu-$shape.txt" 2>&1
+        tail -5 "$OUT/ncu-$shape.txt"
+      done ;;
   esac
 done
 log done
