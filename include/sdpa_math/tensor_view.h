@@ -71,6 +71,9 @@ struct TensorView {
   int64_t size(int dim) const { return shape.dims[dim < 0 ? dim + shape.ndim : dim]; }
   int64_t stride(int dim) const { return strides[dim < 0 ? dim + shape.ndim : dim]; }
   int64_t numel() const { return shape.numel(); }
+  // Row-major dense: element n of a contiguous buffer of `shape` sits at offset n (dims of size
+  // 1 may have any stride).
+  bool is_contiguous() const;
 };
 
 // A view of contiguous (row-major) memory.

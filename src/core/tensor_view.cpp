@@ -64,6 +64,15 @@ std::string Shape::str() const {
   return s.str();
 }
 
+bool TensorView::is_contiguous() const {
+  int64_t expect = 1;
+  for (int d = shape.ndim - 1; d >= 0; --d) {
+    if (shape.dims[d] != 1 && strides[d] != expect) return false;
+    expect *= shape.dims[d];
+  }
+  return true;
+}
+
 TensorView contiguous_view(void* data, DType dtype, const Shape& shape, Device device) {
   TensorView v;
   v.data = data;

@@ -40,34 +40,50 @@ void transpose(const float* src, int64_t rows, int64_t cols, int64_t src_ld, flo
     for (int64_t c = 0; c < cols; ++c) dst[c * rows + r] = src[r * src_ld + c];
 }
 
-bool is_contiguous(const TensorView& v) {
-  int64_t expect = 1;
-  for (int d = v.shape.ndim - 1; d >= 0; --d) {
-    if (v.shape.dims[d] != 1 && v.strides[d] != expect) return false;
-    expect *= v.shape.dims[d];
-  }
-  return true;
-}
-
-// The fp32 accumulator of one requested gradient: the output itself when it is float32 and
-// contiguous (then nothing is copied at the end), else a dense buffer written out once. It is
-// zeroed (by all threads) only where tasks add into it rather than write their rows outright.
+// Where one requested gradient goes. Tasks that own their rows write them outright: into the
+// output when it is float32 and contiguous, else (contiguous, another dtype) converted row by
+// row into it. Otherwise tasks add into a dense fp32 buffer (the output itself when float32 and
+// contiguous), zeroed by all threads first and written out once at the end.
 struct GradBuffer {
-  float* data = nullptr;
+  float* data = nullptr;        // fp32 rows at dense offsets (the output, or `own`)
+  char* converted = nullptr;    // else: the contiguous output, rows stored converted
+  DType dtype = DType::Float32;
   int64_t numel = 0;
-  bool zero_first = true;
+  bool zero_first = false;
   std::unique_ptr<float[]> own;  // uninitialised: zeroed or written in the parallel region
   const TensorView* view = nullptr;
 
-  void init(const std::optional<TensorView>& out) {
+  void init(const std::optional<TensorView>& out, bool rows_owned) {
     if (!out) return;
     view = &*out;
     numel = out->shape.numel();
-    if (out->dtype == DType::Float32 && is_contiguous(*out)) {
+    dtype = out->dtype;
+    zero_first = !rows_owned;
+    if (out->dtype == DType::Float32 && out->is_contiguous()) {
       data = static_cast<float*>(out->data);
+    } else if (rows_owned && out->is_contiguous()) {
+      converted = static_cast<char*>(out->data);
     } else {
       own.reset(new float[numel]);
       data = own.get();
+      zero_first = true;  // written out whole at the end: every element must be set
+    }
+  }
+  bool wanted() const { return view != nullptr; }
+  // Owned rows computed elsewhere (src: rows x width, packed) into place; rows [rows, total)
+  // of the block are zeros.
+  void write_rows(int64_t offset, int64_t row_stride, const float* src, int64_t rows, int64_t total,
+                  int64_t width) const {
+    for (int64_t r = 0; r < total; ++r) {
+      const int64_t at = offset + r * row_stride;
+      if (data) {
+        if (r < rows) std::copy(src + r * width, src + (r + 1) * width, data + at);
+        else std::fill(data + at, data + at + width, 0.0f);
+      } else if (r < rows) {
+        store_row(dtype, converted, at, 1, width, src + r * width);
+      } else {
+        store_zeros(dtype, converted, at, 1, width);
+      }
     }
   }
   // Called by every thread of the team.
@@ -111,10 +127,6 @@ void backward(const core::Problem& p, const BackwardArgs& args, const BackwardOu
   const float scale = static_cast<float>(p.scale);
   const int nthreads = threads_for(std::max<int64_t>(tasks, 1));
 
-  GradBuffer gq, gk, gv;
-  gq.init(out.grad_query);
-  gk.init(out.grad_key);
-  gv.init(out.grad_value);
   // Distinct (lead, row) pairs own distinct dQ rows unless Q is broadcast over a lead dim: then
   // each task writes its dQ rows outright.
   const bool q_rows_owned = p.query.own_shape.numel() == p.num_lead * p.L * E;
@@ -122,9 +134,10 @@ void backward(const core::Problem& p, const BackwardArgs& args, const BackwardOu
   // task owns its head's dK (dV) rows outright and writes them (the keys it cannot see: zeros).
   const bool k_rows_owned = blocks_per_head == 1 && p.key.own_shape.numel() == p.num_lead * S * E;
   const bool v_rows_owned = blocks_per_head == 1 && p.value.own_shape.numel() == p.num_lead * S * Ev && has_dO;
-  gq.zero_first = !q_rows_owned;
-  gk.zero_first = !k_rows_owned;
-  gv.zero_first = !v_rows_owned;
+  GradBuffer gq, gk, gv;
+  gq.init(out.grad_query, q_rows_owned);
+  gk.init(out.grad_key, k_rows_owned);
+  gv.init(out.grad_value, v_rows_owned);
   // The mask is usually broadcast over heads: each thread sums its dMask privately.
   std::vector<std::vector<float>> gmask(want_mask ? nthreads : 0);
 
@@ -142,16 +155,18 @@ void backward(const core::Problem& p, const BackwardArgs& args, const BackwardOu
     HeadPack pack;
     std::vector<float> q(block * E), dout(block * Ev), A(block * S), dA(block * S), W(block * S);
     std::vector<float> transposed(S * block), tmp(S), keep(S), dp(S), dq_block(block * E);
-    std::vector<float> dk(gk.data && !k_rows_owned ? S * E : 0), dv(gv.data && !v_rows_owned ? S * Ev : 0);
+    // A head's dK, dV: summed here unless the task writes straight into an fp32 output.
+    std::vector<float> dk(gk.wanted() && !(k_rows_owned && gk.data) ? S * E : 0);
+    std::vector<float> dv(gv.wanted() && !(v_rows_owned && gv.data) ? S * Ev : 0);
     int64_t acc_lead = -1;  // the head whose dK, dV sit in dk, dv
     auto flush = [&]() {
       if (acc_lead < 0) return;
 #pragma omp critical(sdpa_math_cpu_dkv)
       {
-        if (!dk.empty())
+        if (!k_rows_owned && !dk.empty())  // owned heads were written by their task
           add_block(gk.data + core::dense_lead_offset(p, p.key, acc_lead), p.key.dense_row_stride,
                     p.key.dense_col_stride, dk.data(), S, E);
-        if (!dv.empty())
+        if (!v_rows_owned && !dv.empty())
           add_block(gv.data + core::dense_lead_offset(p, p.value, acc_lead), p.value.dense_row_stride,
                     p.value.dense_col_stride, dv.data(), S, Ev);
       }
@@ -226,37 +241,48 @@ void backward(const core::Problem& p, const BackwardArgs& args, const BackwardOu
       // W is A itself without dropout (the product below reads A then).
       const float* weights = p.dropout == core::DropoutMode::None ? A.data() : W.data();
 
-      // dQ += scale dS K: straight into the shared buffer when this task owns the rows.
-      if (gq.data) {
-        float* dq_rows = gq.data + core::dense_lead_offset(p, p.query, lead) + i0 * p.query.dense_row_stride;
-        if (q_rows_owned) {
-          gemm(rows, E, cols, scale, dA.data(), S, pack.key, pack.key_ld, dq_rows, p.query.dense_row_stride, false);
+      // dQ += scale dS K: written outright when this task owns the rows, else added.
+      if (gq.wanted()) {
+        const int64_t dq_at = core::dense_lead_offset(p, p.query, lead) + i0 * p.query.dense_row_stride;
+        if (q_rows_owned && gq.data) {
+          gemm(rows, E, cols, scale, dA.data(), S, pack.key, pack.key_ld, gq.data + dq_at, p.query.dense_row_stride,
+               false);
         } else {
           gemm(rows, E, cols, scale, dA.data(), S, pack.key, pack.key_ld, dq_block.data(), E, false);
+          if (q_rows_owned) {
+            gq.write_rows(dq_at, p.query.dense_row_stride, dq_block.data(), rows, rows, E);
+          } else {
 #pragma omp critical(sdpa_math_cpu_dq)
-          add_block(dq_rows, p.query.dense_row_stride, p.query.dense_col_stride, dq_block.data(), rows, E);
+            add_block(gq.data + dq_at, p.query.dense_row_stride, p.query.dense_col_stride, dq_block.data(), rows, E);
+          }
         }
       }
-      // dK += scale dS^T Q and dV += W^T dO for the keys this block sees.
-      auto zero_hidden_keys = [&](float* head, int64_t row_stride, int64_t width) {
-        for (int64_t j = cols; j < S; ++j) std::fill(head + j * row_stride, head + j * row_stride + width, 0.0f);
-      };
-      if (gk.data) {
+      // dK += scale dS^T Q and dV += W^T dO for the keys this block sees. An owned head is
+      // written outright (its hidden keys as zeros): into an fp32 output directly, else from
+      // dk, dv converted.
+      if (gk.wanted()) {
         transpose(dA.data(), rows, cols, S, transposed.data());
-        if (k_rows_owned) {
-          float* head = gk.data + core::dense_lead_offset(p, p.key, lead);
-          gemm(cols, E, rows, scale, transposed.data(), rows, q.data(), E, head, p.key.dense_row_stride, false);
-          zero_hidden_keys(head, p.key.dense_row_stride, E);
+        const int64_t at = core::dense_lead_offset(p, p.key, lead);
+        if (k_rows_owned && gk.data) {
+          gemm(cols, E, rows, scale, transposed.data(), rows, q.data(), E, gk.data + at, p.key.dense_row_stride, false);
+          gk.write_rows(at + cols * p.key.dense_row_stride, p.key.dense_row_stride, nullptr, 0, S - cols, E);
+        } else if (k_rows_owned) {
+          gemm(cols, E, rows, scale, transposed.data(), rows, q.data(), E, dk.data(), E, false);
+          gk.write_rows(at, p.key.dense_row_stride, dk.data(), cols, S, E);
         } else {
           gemm(cols, E, rows, scale, transposed.data(), rows, q.data(), E, dk.data(), E, true);
         }
       }
-      if (gv.data && has_dO) {
+      if (gv.wanted() && has_dO) {
         transpose(weights, rows, cols, S, transposed.data());
-        if (v_rows_owned) {
-          float* head = gv.data + core::dense_lead_offset(p, p.value, lead);
-          gemm(cols, Ev, rows, 1.0f, transposed.data(), rows, dout.data(), Ev, head, p.value.dense_row_stride, false);
-          zero_hidden_keys(head, p.value.dense_row_stride, Ev);
+        const int64_t at = core::dense_lead_offset(p, p.value, lead);
+        if (v_rows_owned && gv.data) {
+          gemm(cols, Ev, rows, 1.0f, transposed.data(), rows, dout.data(), Ev, gv.data + at, p.value.dense_row_stride,
+               false);
+          gv.write_rows(at + cols * p.value.dense_row_stride, p.value.dense_row_stride, nullptr, 0, S - cols, Ev);
+        } else if (v_rows_owned) {
+          gemm(cols, Ev, rows, 1.0f, transposed.data(), rows, dout.data(), Ev, dv.data(), Ev, false);
+          gv.write_rows(at, p.value.dense_row_stride, dv.data(), cols, S, Ev);
         } else {
           gemm(cols, Ev, rows, 1.0f, transposed.data(), rows, dout.data(), Ev, dv.data(), Ev, true);
         }

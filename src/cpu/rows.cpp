@@ -1,6 +1,9 @@
 #include "rows.h"
 
 #include <omp.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -27,6 +30,30 @@ namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 }
 
+namespace {
+// Contiguous fp16 <-> fp32 with the F16C instructions, 8 at a time (round to nearest even, as
+// half.h's scalar conversion; the scalar loop finishes the tail). Returns how many it did.
+int64_t half_to_float_vec(const uint16_t* p, int64_t n, float* out) {
+  int64_t j = 0;
+#if defined(__F16C__)
+  for (; j + 8 <= n; j += 8)
+    _mm256_storeu_ps(out + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + j))));
+#endif
+  (void)p, (void)out;
+  return j;
+}
+int64_t float_to_half_vec(const float* in, int64_t n, uint16_t* p) {
+  int64_t j = 0;
+#if defined(__F16C__)
+  for (; j + 8 <= n; j += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + j),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(in + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+  (void)in, (void)p;
+  return j;
+}
+}  // namespace
+
 void load_row(DType dtype, const char* base, int64_t offset, int64_t stride, int64_t n, float* out) {
   switch (dtype) {
     case DType::Float32: {
@@ -37,7 +64,8 @@ void load_row(DType dtype, const char* base, int64_t offset, int64_t stride, int
     }
     case DType::Float16: {
       const uint16_t* p = reinterpret_cast<const uint16_t*>(base) + offset;
-      for (int64_t j = 0; j < n; ++j) out[j] = half_to_float(p[j * stride]);
+      const int64_t done = stride == 1 ? half_to_float_vec(p, n, out) : 0;
+      for (int64_t j = done; j < n; ++j) out[j] = half_to_float(p[j * stride]);
       break;
     }
     case DType::BFloat16: {
@@ -71,7 +99,8 @@ void store_row(DType dtype, char* base, int64_t offset, int64_t stride, int64_t 
     }
     case DType::Float16: {
       uint16_t* p = reinterpret_cast<uint16_t*>(base) + offset;
-      for (int64_t j = 0; j < n; ++j) p[j * stride] = float_to_half(in[j]);
+      const int64_t done = stride == 1 ? float_to_half_vec(in, n, p) : 0;
+      for (int64_t j = done; j < n; ++j) p[j * stride] = float_to_half(in[j]);
       break;
     }
     case DType::BFloat16: {

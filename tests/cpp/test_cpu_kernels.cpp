@@ -1,7 +1,8 @@
 // The CPU backend's building blocks against plain double-precision loops: the tile products
 // (every register-block and tail path: 32/16/8-wide panels, fewer than 8 columns, 8/4/1-row
 // blocks, leading dimensions wider than the tile, accumulate) and the vectorised softmax
-// (lengths that are and are not multiples of the 16-lane vectors, -inf entries, masked rows).
+// (lengths that are and are not multiples of the 16-lane vectors, -inf entries, masked rows),
+// and the vectorised fp16 row conversions against half.h's scalar ones, bit for bit.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -11,6 +12,7 @@
 
 #include "cpu/gemm.h"
 #include "cpu/rows.h"
+#include "sdpa_math/half.h"
 
 namespace sdpa_math::cpu {
 namespace {
@@ -116,6 +118,35 @@ TEST(DotRow, MatchesDoubleLoop) {
     }
     EXPECT_NEAR(dot_row(a.data(), b.data(), n), want, 1e-6 * (scale + 1.0)) << "n=" << n;
   }
+}
+
+TEST(HalfRows, VectorConversionMatchesScalar) {
+  // Every fp16 bit pattern to fp32 (the row is not a multiple of 8 long: the tail is scalar).
+  std::vector<uint16_t> halves(65536 + 5);
+  for (size_t i = 0; i < halves.size(); ++i) halves[i] = static_cast<uint16_t>(i);
+  std::vector<float> wide(halves.size());
+  load_row(DType::Float16, reinterpret_cast<const char*>(halves.data()), 0, 1, static_cast<int64_t>(halves.size()),
+           wide.data());
+  for (size_t i = 0; i < halves.size(); ++i) {
+    const float want = half_to_float(halves[i]);
+    if (std::isnan(want)) EXPECT_TRUE(std::isnan(wide[i])) << i;
+    else ASSERT_EQ(float_bits(wide[i]), float_bits(want)) << "half bits " << i;
+  }
+  // fp32 to fp16: halfway cases (ties to even), overflow, subnormals, signed zeros, random.
+  std::vector<float> values;
+  for (size_t i = 0; i + 1 < 65536; ++i) {
+    const float a = half_to_float(static_cast<uint16_t>(i)), b = half_to_float(static_cast<uint16_t>(i + 1));
+    if (std::isfinite(a) && std::isfinite(b) && (i & 0x7fffu) != 0x7fffu) values.push_back(0.5f * (a + b));
+  }
+  for (float v : {65504.0f, 65519.0f, 65520.0f, 1e6f, -1e6f, 0.0f, -0.0f, 5.96e-8f, 2.98e-8f, 1e-10f,
+                  std::numeric_limits<float>::infinity()})
+    values.push_back(v);
+  std::mt19937_64 rng(3);
+  for (float v : random_floats(rng, 10007)) values.push_back(v * 100.0f);
+  std::vector<uint16_t> narrow(values.size());
+  store_row(DType::Float16, reinterpret_cast<char*>(narrow.data()), 0, 1, static_cast<int64_t>(values.size()),
+            values.data());
+  for (size_t i = 0; i < values.size(); ++i) ASSERT_EQ(narrow[i], float_to_half(values[i])) << "value " << values[i];
 }
 
 }  // namespace
