@@ -1,10 +1,11 @@
 // The CUDA backend's host side: the problem as kernels see it, scratch memory from the caller's
-// allocator, the choice between tensor-core and generic kernels, and the gradients' final
+// allocator, the choice between the decode, tensor-core and generic kernels, and the gradients' final
 // conversion from dense fp32/fp64 accumulators to the caller's (strided, any dtype) buffers.
 #include "backend.h"
 
 #include <cuda_runtime.h>
 
+#include "decode.cuh"
 #include "device_problem.cuh"
 #include "generic.cuh"
 #include "launch.cuh"
@@ -109,16 +110,21 @@ struct ViewDesc {
   int64_t shape[kMaxDims] = {};
   int64_t strides[kMaxDims] = {};
   int64_t numel = 0;
+  bool dense = false;  // contiguous: element n is at offset n
 };
 
 template <typename Acc>
 __global__ void dense_to_view(const Acc* __restrict__ src, ViewDesc dst) {
   for (int64_t n = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; n < dst.numel;
        n += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    int64_t rest = n, off = 0;
-    for (int d = dst.ndim - 1; d >= 0; --d) {
-      off += (rest % dst.shape[d]) * dst.strides[d];
-      rest /= dst.shape[d];
+    int64_t off = n;
+    if (!dst.dense) {  // 64-bit division per dim: only for strided gradients
+      int64_t rest = n;
+      off = 0;
+      for (int d = dst.ndim - 1; d >= 0; --d) {
+        off += (rest % dst.shape[d]) * dst.strides[d];
+        rest /= dst.shape[d];
+      }
     }
     store_elem<Acc>(dst.dtype, dst.data, off, src[n]);
   }
@@ -136,6 +142,7 @@ void write_gradient(const Acc* dense, const std::optional<TensorView>& view, cud
     d.strides[i] = view->strides[i];
   }
   d.numel = view->numel();
+  d.dense = view->is_contiguous();
   const int64_t blocks = std::min<int64_t>((d.numel + 255) / 256, 65535);
   dense_to_view<Acc><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(dense, d);
   check_launch("gradient conversion");
@@ -150,15 +157,25 @@ void backward_with(const core::Problem& p, DevProblem& dp, const BackwardOutputs
   auto buffer_for = [&](const std::optional<TensorView>& v) -> Acc* {
     return v ? scratch.zeros<Acc>(std::max<int64_t>(v->numel(), 1)) : nullptr;
   };
+  // Except dK and dV where the tensor-core kernel can store them itself: the gradient is
+  // contiguous in the inputs' dtype and no two heads share a key row (no GQA, no broadcast), so
+  // one CTA holds the whole sum of each row. The kernel runs whenever there are query rows.
+  const bool tensor_core = p.num_lead * p.L > 0 && tensor_core_backward_applies(dp);
+  auto stored_directly = [&](const std::optional<TensorView>& v, const core::Operand& op, int64_t width) {
+    return tensor_core && v && v->dtype == p.dtype && v->is_contiguous() &&
+           op.own_shape.numel() == p.num_lead * p.S * width;
+  };
   g.dq = buffer_for(out.grad_query);
-  g.dk = buffer_for(out.grad_key);
-  g.dv = buffer_for(out.grad_value);
+  if (stored_directly(out.grad_key, p.key, p.E)) g.dk_out = out.grad_key->data;
+  else g.dk = buffer_for(out.grad_key);
+  if (stored_directly(out.grad_value, p.value, p.Ev)) g.dv_out = out.grad_value->data;
+  else g.dv = buffer_for(out.grad_value);
   g.dmask = buffer_for(out.grad_attn_mask);
   g.delta = scratch.zeros<Acc>(std::max<int64_t>(p.num_lead * p.L, 1));
   if (!tensor_core_backward(dp, g, stream)) generic_backward<Acc>(dp, g, stream);
   write_gradient<Acc>(g.dq, out.grad_query, stream);
-  write_gradient<Acc>(g.dk, out.grad_key, stream);
-  write_gradient<Acc>(g.dv, out.grad_value, stream);
+  if (g.dk) write_gradient<Acc>(g.dk, out.grad_key, stream);
+  if (g.dv) write_gradient<Acc>(g.dv, out.grad_value, stream);
   write_gradient<Acc>(g.dmask, out.grad_attn_mask, stream);
 }
 
@@ -172,6 +189,13 @@ void forward(const core::Problem& p, const ForwardOutputs& out, const CudaExecut
   dp.probs = output_to_device(p, out.attn_probs, true);
   dp.lse = output_to_device(p, out.logsumexp, false);
   if (p.num_lead * p.L == 0) return;
+  if (decode_applies(dp)) {
+    Scratch scratch(ex, stream);
+    float* stats = scratch.zeros<float>(decode_stats_floats(dp));
+    float* out_acc = scratch.zeros<float>(p.num_lead * p.L * p.Ev);
+    decode_forward(dp, stats, out_acc, stream);
+    return;
+  }
   if (tensor_core_forward(dp, stream)) return;
   if (p.dtype == DType::Float64) generic_forward<double>(dp, stream);
   else generic_forward<float>(dp, stream);

@@ -8,7 +8,7 @@
 // delta = rowsum(A . dA) comes first: from memory as rowsum(dO . O) + rowsum(P . dP) when the
 // forward's O and P are given, else recomputed on the generic path.
 // dK and dV go to fp32 accumulators too (atomically), which is what sums them over GQA groups
-// and broadcast batch dims.
+// and broadcast batch dims; when each key row is one CTA's alone they are stored directly.
 #include "launch.cuh"
 #include "mma.cuh"
 #include "tensor_core.cuh"
@@ -99,6 +99,7 @@ __global__ void __launch_bounds__(kThreads) backward_tc(DevProblem p, BackwardBu
   const int64_t pr_at = p.probs.data ? lead_off(p, p.probs, lead) : 0;
   const int64_t lse_at = lead_off(p, p.lse, lead);
   const bool has_go = p.grad_out.data != nullptr, has_gp = p.grad_probs.data != nullptr;
+  const bool want_dk = gb.dk || gb.dk_out, want_dv = gb.dv || gb.dv_out;
   const int kchunks = static_cast<int>((p.E + 15) / 16), vchunks = static_cast<int>((p.Ev + 15) / 16);
   const int etiles = static_cast<int>((p.E + 7) / 8);
   const float scale = static_cast<float>(p.scale);
@@ -198,11 +199,11 @@ __global__ void __launch_bounds__(kThreads) backward_tc(DevProblem p, BackwardBu
       for (int n = 0; n < COLS / 8; ++n) {
         const int col = col0 + n * 8;
         uint32_t b0, b1;
-        if (gb.dv && has_go && col < p.Ev) {
+        if (want_dv && has_go && col < p.Ev) {
           load_b_trans<T>(sdO + (kk * 16) * LD + col, LD, lane, b0, b1);
           mma_16816<T>(dv[n], aw, b0, b1);
         }
-        if (gb.dk && col < p.E) {
+        if (want_dk && col < p.E) {
           load_b_trans<T>(sQ + (kk * 16) * LD + col, LD, lane, b0, b1);
           mma_16816<T>(dk[n], as, b0, b1);
         }
@@ -235,9 +236,11 @@ __global__ void __launch_bounds__(kThreads) backward_tc(DevProblem p, BackwardBu
     }
   }
 
-  // dK and dV of this CTA's keys into the dense accumulators.
-  const int64_t dk_lead = gb.dk ? dense_lead_off(p, p.k, lead) : 0;
-  const int64_t dv_lead = gb.dv ? dense_lead_off(p, p.v, lead) : 0;
+  // dK and dV of this CTA's keys: stored, or added to the dense accumulators.
+  const int64_t dk_lead = want_dk ? dense_lead_off(p, p.k, lead) : 0;
+  const int64_t dv_lead = want_dv ? dense_lead_off(p, p.v, lead) : 0;
+  T* dk_out = static_cast<T*>(gb.dk_out);
+  T* dv_out = static_cast<T*>(gb.dv_out);
 #pragma unroll
   for (int n = 0; n < COLS / 8; ++n)
 #pragma unroll
@@ -245,8 +248,16 @@ __global__ void __launch_bounds__(kThreads) backward_tc(DevProblem p, BackwardBu
       const int64_t j = j0 + kg * 16 + g + 8 * (c >> 1);
       const int64_t col = col0 + n * 8 + 2 * t + (c & 1);
       if (j >= p.S) continue;
-      if (gb.dk && col < p.E) atomicAdd(gb.dk + dk_lead + j * p.k.dense_row + col * p.k.dense_col, dk[n][c]);
-      if (gb.dv && col < p.Ev) atomicAdd(gb.dv + dv_lead + j * p.v.dense_row + col * p.v.dense_col, dv[n][c]);
+      const int64_t k_off = dk_lead + j * p.k.dense_row + col * p.k.dense_col;
+      const int64_t v_off = dv_lead + j * p.v.dense_row + col * p.v.dense_col;
+      if (col < p.E) {
+        if (dk_out) dk_out[k_off] = from_float<T>(dk[n][c]);
+        else if (gb.dk) atomicAdd(gb.dk + k_off, dk[n][c]);
+      }
+      if (col < p.Ev) {
+        if (dv_out) dv_out[v_off] = from_float<T>(dv[n][c]);
+        else if (gb.dv) atomicAdd(gb.dv + v_off, dv[n][c]);
+      }
     }
 }
 
@@ -289,13 +300,18 @@ void backward_for(const DevProblem& p, const BackwardBuffers<float>& g, cudaStre
 
 }  // namespace
 
-bool tensor_core_backward(const DevProblem& p, const BackwardBuffers<float>& g, cudaStream_t stream) {
+bool tensor_core_backward_applies(const DevProblem& p) {
   if ((p.E > p.Ev ? p.E : p.Ev) > kTensorCoreMaxHead || p.E == 0) return false;
   if (p.q.dtype != DType::Float16 && p.q.dtype != DType::BFloat16) return false;
   // dO, P and dP are read as tiles of the inputs' dtype.
   if (p.grad_out.data && p.grad_out.dtype != p.q.dtype) return false;
   if (p.grad_probs.data && p.grad_probs.dtype != p.q.dtype) return false;
   if (p.probs.data && p.probs.dtype != p.q.dtype) return false;
+  return true;
+}
+
+bool tensor_core_backward(const DevProblem& p, const BackwardBuffers<float>& g, cudaStream_t stream) {
+  if (!tensor_core_backward_applies(p)) return false;
   const int64_t rows = p.num_lead * p.L;
   if (rows == 0) return true;
   const bool delta_in_memory = (!p.grad_out.data || p.out.data) && (!p.grad_probs.data || p.probs.data);

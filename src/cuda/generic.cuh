@@ -16,6 +16,11 @@ struct BackwardBuffers {
   Acc* dv = nullptr;
   Acc* dmask = nullptr;
   Acc* delta = nullptr;
+  // The tensor-core backward only: dK (dV) written straight into the gradient's own memory, in
+  // the inputs' dtype, when it is contiguous and each of its rows belongs to one CTA (then dk (dv)
+  // is nullptr: no accumulator, no zeroing, no conversion).
+  void* dk_out = nullptr;
+  void* dv_out = nullptr;
 };
 
 template <typename Acc>

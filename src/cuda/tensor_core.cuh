@@ -12,6 +12,8 @@ namespace sdpa_math::cuda {
 constexpr int64_t kTensorCoreMaxHead = 256;
 
 bool tensor_core_forward(const DevProblem& p, cudaStream_t stream);
+// Whether tensor_core_backward takes the problem (dtype, head size, dtypes of dO, dP and P).
+bool tensor_core_backward_applies(const DevProblem& p);
 bool tensor_core_backward(const DevProblem& p, const BackwardBuffers<float>& g, cudaStream_t stream);
 inline bool tensor_core_backward(const DevProblem&, const BackwardBuffers<double>&, cudaStream_t) { return false; }
 
