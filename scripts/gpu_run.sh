@@ -46,9 +46,9 @@ for stage in $stages; do
       python3 -m sdpa_math demo --out "$OUT/demo.png" 2>&1 | tee "$OUT/demo.log" | tail -20 ;;
     profile)
       # Where the tensor-core kernels spend their time, for the next performance step.
-      for shape in prefill1k_d128 decode_s2k_d128; do
+      for shape in ${PROFILE_SHAPES:-prefill1k_d128 decode_s2k_d128}; do
         log "ncu $shape"
-        ncu --clock-control none --kernel-name regex:'forward_tc|backward_tc' --launch-skip 2 --launch-count 2 \
+        ncu --clock-control none --kernel-name regex:'forward_tc|backward_tc|decode_' --launch-skip 4 --launch-count 4 \
           --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
           --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
           python3 tests/gpu/profile_anchor.py $shape > "$OUT/ncu-$shape.txt" 2>&1

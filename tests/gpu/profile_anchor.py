@@ -1,7 +1,7 @@
 """Forward and forward+backward of one anchor shape, a few times, for Nsight Compute:
 
-    ncu --clock-control none --kernel-name regex:'forward_tc|backward_tc' --launch-skip 2 \
-        --launch-count 2 python3 tests/gpu/profile_anchor.py prefill1k_d128
+    ncu --clock-control none --kernel-name regex:'forward_tc|backward_tc|decode_' --launch-skip 4 \
+        --launch-count 4 python3 tests/gpu/profile_anchor.py prefill1k_d128
 
 The first calls warm up; ncu skips them with --launch-skip.
 """

@@ -1,6 +1,7 @@
 """A few forward+backward calls of every CUDA kernel family, small enough to run under
 compute-sanitizer (memcheck, racecheck): tails in L and S, padded head sizes, masks, causal,
-GQA, dropout, strided inputs, fp16/bf16 (tensor cores) and fp32/fp64 (generic path).
+GQA, dropout, strided inputs, fp16/bf16 (tensor cores), a few query rows (the decode path) and
+fp32/fp64 (generic path).
 
     compute-sanitizer --tool memcheck python3 tests/gpu/sanitize_cases.py
 """
@@ -42,9 +43,13 @@ def main():
         run(dtype, 1, 2, 2, 17, 90, 256, 256, mask="bool", dropout=0.2)
         run(dtype, 1, 2, 2, 20, 30, 40, 24, transposed=True)
         run(dtype, 1, 2, 1, 1, 300, 128, 128)
+        run(dtype, 1, 2, 2, 3, 530, 200, 256, mask="float", dropout=0.2)  # decode path
+        run(dtype, 2, 4, 4, 2, 70, 64, 64, mask="bool")                    # decode path
+        run(dtype, 1, 2, 2, 4, 300, 32, 32, causal=True)                   # decode path
     for dtype in (torch.float32, torch.float64):
         run(dtype, 1, 2, 2, 9, 13, 20, 12, mask="float")
         run(dtype, 1, 2, 1, 8, 11, 16, 16, causal=True, dropout=0.3)
+    run(torch.float32, 1, 2, 1, 1, 300, 64, 64)  # decode path
     torch.cuda.synchronize()
     print("sanitize_cases: all calls finished")
 

@@ -120,6 +120,18 @@ def cases():
     for E, Ev in [(64, 32), (32, 128)]:
         out.append(Case(L=21, S=66, E=E, Ev=Ev))
     out.append(Case(L=12, S=12, E=16, Ev=16, scale=-0.3))
+    # A few query rows: on CUDA the decode path, keys split over blocks of 256. Rows over several
+    # key blocks, masks (fully masked rows too), causal, explicit dropout, GQA, head dims up to 256
+    # with Ev != E, strided inputs.
+    out.append(Case(L=1, S=600, E=128, Ev=128))
+    out.append(Case(hq=3, hkv=3, L=3, S=300, E=32, Ev=32, mask="float"))
+    out.append(Case(hq=3, hkv=3, L=4, S=45, E=32, Ev=32, mask="bool_rows"))
+    out.append(Case(hq=3, hkv=3, L=2, S=290, E=32, Ev=32, mask="fmin_rows"))
+    out.append(Case(L=3, S=290, causal=True, E=16, Ev=16))
+    out.append(Case(L=2, S=21, dropout="explicit_float", mask="bool_rows"))
+    out.append(Case(hq=8, hkv=2, gqa=True, L=1, S=513, E=64, Ev=64))
+    out.append(Case(L=4, S=66, E=256, Ev=200))
+    out.append(Case(hq=3, hkv=3, L=2, S=29, E=24, Ev=24, layout="transposed", mask="float"))
     return out
 
 

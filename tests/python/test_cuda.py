@@ -121,8 +121,9 @@ def test_gradcheck_float64_cuda_through_o_and_p(case):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=ids)
-def test_random_dropout_same_mask_on_cpu_and_cuda(dtype):
-    args, kwargs = build(Case(hq=3, hkv=3, L=37, S=70, E=64, Ev=64), dtype, seed=5, device="cuda")
+@pytest.mark.parametrize("L,S", [(37, 70), (2, 530)], ids=["tiles", "decode"])
+def test_random_dropout_same_mask_on_cpu_and_cuda(dtype, L, S):
+    args, kwargs = build(Case(hq=3, hkv=3, L=L, S=S, E=64, Ev=64), dtype, seed=5, device="cuda")
     q, k, v = args[:3]
     cuda = sdpa_math.attention_with_lse(q, k, v, None, 0.3, False, None, seed=987654321, offset=12)
     cpu = sdpa_math.attention_with_lse(q.cpu(), k.cpu(), v.cpu(), None, 0.3, False, None, seed=987654321, offset=12)
@@ -144,7 +145,8 @@ def test_long_rows_past_2_pow_31_elements_per_batch_index_do_not_wrap():
     k = torch.randn(1, 2, S, 64, device="cuda", dtype=torch.float16, generator=gen)
     v = torch.randn(1, 2, S, 64, device="cuda", dtype=torch.float16, generator=gen)
     out, probs = sdpa_math.attention(q, k, v)
-    rows = torch.tensor([0, 12345, L - 1], device="cuda")
+    # Five rows: more than the decode path takes, so the same tile kernel recomputes them.
+    rows = torch.tensor([0, 1, 12345, 20000, L - 1], device="cuda")
     for h in range(2):  # rows of each head recomputed on their own
         o_ref, p_ref = sdpa_math.attention(q[:, h:h + 1, rows], k[:, h:h + 1], v[:, h:h + 1])
         torch.testing.assert_close(probs[:, h:h + 1, rows], p_ref, rtol=0, atol=0)
