@@ -9,6 +9,7 @@
 // forward's O and P are given, else recomputed on the generic path.
 // dK and dV go to fp32 accumulators too (atomically), which is what sums them over GQA groups
 // and broadcast batch dims; when each key row is one CTA's alone they are stored directly.
+#include "decode.cuh"
 #include "launch.cuh"
 #include "mma.cuh"
 #include "tensor_core.cuh"
@@ -322,7 +323,8 @@ bool tensor_core_backward(const DevProblem& p, const BackwardBuffers<float>& g, 
   } else {
     generic_delta<float>(p, g.delta, stream);
   }
-  if (p.q.dtype == DType::Float16) backward_for<__half>(p, g, stream);
+  if (decode_backward_applies(p)) decode_backward_run(p, g, stream);
+  else if (p.q.dtype == DType::Float16) backward_for<__half>(p, g, stream);
   else backward_for<__nv_bfloat16>(p, g, stream);
   return true;
 }

@@ -315,6 +315,165 @@ __global__ void decode_output(DevProblem p, const float* out) {
   }
 }
 
+// The backward for a few query rows (fp16/bf16, after delta = rowsum(A . dA) is known): per
+// (head, block of keys) CTA, every key row j of K and V is read once and
+//   g_r = dO_r . V_j, A_rj (the saved P without dropout, else exp(s - lse)), dA, dS, W by the
+//   contract's rules; dV_j = sum_r W_rj dO_r and dK_j = scale sum_r dS_rj q_r, stored (or added
+//   to the fp32 accumulators when heads share key rows); dQ_r += scale dS_rj K_j summed over the
+//   CTA's keys, then added to the fp32 dQ.
+// A tile backward would sweep a 64-row query tile per key block for one row. Three CTAs per SM:
+// the per-row dQ sums need more than 128 registers without spilling.
+template <typename T, int DT>
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSM - 1) decode_backward(DevProblem p, BackwardBuffers<float> gb,
+                                                                                int64_t blocks) {
+  using Lay = Layout<T, DT>;
+  constexpr int U = 2;  // warp steps whose loads are issued together
+  extern __shared__ float smem[];
+  float* q = smem;                 // L x DT
+  float* dout = q + p.L * DT;      // L x DT (zero without dO)
+  float* part = dout + p.L * DT;   // warps x DT (one row of dQ at a time)
+  const int64_t lead = blockIdx.x / blocks, blk = blockIdx.x % blocks;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int sub = lane % Lay::LPK, kofs = lane / Lay::LPK;
+  const bool has_go = p.grad_out.data != nullptr, has_gp = p.grad_probs.data != nullptr;
+  const bool a_from_probs = p.probs.data != nullptr && p.dropout == Dropout::None;
+  load_queries<DT>(p, lead, q);
+  {
+    const int64_t go_at = has_go ? lead_off(p, p.grad_out, lead) : 0;
+    for (int64_t n = threadIdx.x; n < p.L * DT; n += kThreads) {
+      const int64_t r = n / DT, e = n % DT;
+      dout[n] = has_go && e < p.Ev ? load_elem<float>(p.grad_out.dtype, p.grad_out.data, go_at + r * p.grad_out.row + e * p.grad_out.col)
+                                   : 0.0f;
+    }
+  }
+  __syncthreads();
+  const float scale = static_cast<float>(p.scale);
+  const int64_t k_at = lead_off(p, p.k, lead), v_at = lead_off(p, p.v, lead);
+  const int64_t m_at = p.mask.data ? lead_off(p, p.mask, lead) : 0;
+  const int64_t d_at = p.dmask.data ? lead_off(p, p.dmask, lead) : 0;
+  const int64_t pr_at = p.probs.data ? lead_off(p, p.probs, lead) : 0;
+  const int64_t gp_at = has_gp ? lead_off(p, p.grad_probs, lead) : 0;
+  const int64_t lse_at = lead_off(p, p.lse, lead);
+  const bool want_dk = gb.dk || gb.dk_out, want_dv = gb.dv || gb.dv_out;
+  const int64_t dk_lead = want_dk ? dense_lead_off(p, p.k, lead) : 0;
+  const int64_t dv_lead = want_dv ? dense_lead_off(p, p.v, lead) : 0;
+  const int64_t first = blk * kSplitKeys, j_end = min(p.S, first + kSplitKeys);
+  constexpr int kStep = U * Lay::KPW;
+  float dq[kDecodeMaxRows][Lay::CH][Lay::EPL] = {};
+
+  for (int64_t j0 = first + warp * kStep; j0 < j_end; j0 += kWarps * kStep) {
+    uint4 kraw[U][Lay::CH], vraw[U][Lay::CH];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t j = j0 + u * Lay::KPW + kofs;
+#pragma unroll
+      for (int c = 0; c < Lay::CH; ++c) {
+        kraw[u][c] = load_chunk<T, DT>(p.k, k_at + j * p.k.row, j < j_end, sub, c, p.E);
+        vraw[u][c] = load_chunk<T, DT>(p.v, v_at + j * p.v.row, j < j_end && (has_go || !a_from_probs), sub, c, p.Ev);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t j = j0 + u * Lay::KPW + kofs;
+      float kx[Lay::CH][Lay::EPL], vx[Lay::CH][Lay::EPL];
+#pragma unroll
+      for (int c = 0; c < Lay::CH; ++c) {
+        unpack16<T>(kraw[u][c], kx[c]);
+        unpack16<T>(vraw[u][c], vx[c]);
+      }
+      float dk_acc[Lay::CH][Lay::EPL] = {}, dv_acc[Lay::CH][Lay::EPL] = {};
+#pragma unroll
+      for (int r = 0; r < kDecodeMaxRows; ++r) {
+        if (r >= p.L) break;
+        // g = dO_r . V_j and (to recompute A) s = q_r . K_j, over the group's lanes.
+        float g = 0.0f, qk = 0.0f;
+#pragma unroll
+        for (int c = 0; c < Lay::CH; ++c)
+#pragma unroll
+          for (int i = 0; i < Lay::EPL; ++i) {
+            const int e = (sub + c * Lay::LPK) * Lay::EPL + i;
+            g += dout[r * DT + e] * vx[c][i];
+            qk += q[r * DT + e] * kx[c][i];
+          }
+#pragma unroll
+        for (int o = Lay::LPK / 2; o > 0; o >>= 1) {
+          g += __shfl_xor_sync(0xffffffffu, g, o);
+          qk += __shfl_xor_sync(0xffffffffu, qk, o);
+        }
+        float ds = 0.0f, w = 0.0f;
+        if (j < j_end) {
+          const float a = a_from_probs
+                              ? load_elem<float>(p.probs.dtype, p.probs.data, pr_at + r * p.probs.row + j * p.probs.col)
+                              : prob_from_lse<float>(masked_logit<float>(p, qk, m_at, r, j),
+                                                     load_elem<float>(p.lse.dtype, p.lse.data, lse_at + r * p.lse.row));
+          const float keep = keep_of<float>(p, d_at, lead, r, j);
+          const float dp = has_gp ? load_elem<float>(p.grad_probs.dtype, p.grad_probs.data, gp_at + r * p.grad_probs.row + j * p.grad_probs.col)
+                                  : 0.0f;
+          const float da = grad_softmax<float>(p, has_go ? g : 0.0f, dp, keep);
+          ds = a * (da - gb.delta[lead * p.L + r]);
+          w = value_weight<float>(p, a, keep);
+          if (gb.dmask && ds != 0.0f && sub == 0)
+            atomicAdd(gb.dmask + dense_lead_off(p, p.mask, lead) + r * p.mask.dense_row + j * p.mask.dense_col, ds);
+        }
+#pragma unroll
+        for (int c = 0; c < Lay::CH; ++c)
+#pragma unroll
+          for (int i = 0; i < Lay::EPL; ++i) {
+            const int e = (sub + c * Lay::LPK) * Lay::EPL + i;
+            dv_acc[c][i] += w * dout[r * DT + e];
+            dk_acc[c][i] += scale * ds * q[r * DT + e];
+            dq[r][c][i] += scale * ds * kx[c][i];
+          }
+      }
+      if (j >= j_end) continue;
+      // Key row j's dK and dV: this lane's chunks.
+#pragma unroll
+      for (int c = 0; c < Lay::CH; ++c) {
+        const int64_t e0 = static_cast<int64_t>(sub + c * Lay::LPK) * Lay::EPL;
+#pragma unroll
+        for (int i = 0; i < Lay::EPL; ++i) {
+          const int64_t e = e0 + i;
+          if (want_dk && e < p.E) {
+            const int64_t off = dk_lead + j * p.k.dense_row + e * p.k.dense_col;
+            if (gb.dk_out) static_cast<T*>(gb.dk_out)[off] = from_float<T>(dk_acc[c][i]);
+            else if (dk_acc[c][i] != 0.0f) atomicAdd(gb.dk + off, dk_acc[c][i]);
+          }
+          if (want_dv && e < p.Ev) {
+            const int64_t off = dv_lead + j * p.v.dense_row + e * p.v.dense_col;
+            if (gb.dv_out) static_cast<T*>(gb.dv_out)[off] = from_float<T>(dv_acc[c][i]);
+            else if (dv_acc[c][i] != 0.0f) atomicAdd(gb.dv + off, dv_acc[c][i]);
+          }
+        }
+      }
+    }
+  }
+
+  // dQ of each row: over the warp's key groups (shuffles), its warps (shared memory), then added.
+  if (!gb.dq) return;
+  const int64_t dq_lead = dense_lead_off(p, p.q, lead);
+  for (int r = 0; r < p.L; ++r) {
+#pragma unroll
+    for (int c = 0; c < Lay::CH; ++c)
+#pragma unroll
+      for (int i = 0; i < Lay::EPL; ++i) {
+        float v = 0.0f;
+#pragma unroll
+        for (int x = 0; x < kDecodeMaxRows; ++x)
+          if (x == r) v = dq[x][c][i];
+#pragma unroll
+        for (int o = 16; o >= Lay::LPK; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        if (kofs == 0) part[warp * DT + (sub + c * Lay::LPK) * Lay::EPL + i] = v;
+      }
+    __syncthreads();
+    for (int64_t e = threadIdx.x; e < p.E; e += kThreads) {
+      float total = 0.0f;
+      for (int x = 0; x < kWarps; ++x) total += part[x * DT + e];
+      if (total != 0.0f) atomicAdd(gb.dq + dq_lead + r * p.q.dense_row + e * p.q.dense_col, total);
+    }
+    __syncthreads();
+  }
+}
+
 template <typename T, int DT>
 void launch_decode(const DevProblem& p, const DecodeBuffers& b, cudaStream_t stream) {
   const int64_t ctas = p.num_lead * b.blocks;
@@ -350,6 +509,30 @@ bool decode_applies(const DevProblem& p) {
   // Rows of K and V move 16 bytes per lane: unit column stride, aligned rows.
   const int vec = 16 / elem;
   return rows_vectorizable(p.k, p.lead_ndim, p.E, elem, vec) && rows_vectorizable(p.v, p.lead_ndim, p.Ev, elem, vec);
+}
+
+bool decode_backward_applies(const DevProblem& p) {
+  return decode_applies(p) && (p.q.dtype == DType::Float16 || p.q.dtype == DType::BFloat16);
+}
+
+template <typename T>
+void launch_backward_for_head(const DevProblem& p, const BackwardBuffers<float>& g, cudaStream_t stream) {
+  const int64_t head = p.E > p.Ev ? p.E : p.Ev;
+  const int64_t blocks = (p.S + kSplitKeys - 1) / kSplitKeys, ctas = p.num_lead * blocks;
+  if (ctas > 2147483647LL) throw Error(ErrorCode::CudaFailure, "too many key blocks for one CUDA launch");
+  auto go = [&](auto kernel, int dt) {
+    const size_t smem = sizeof(float) * (2 * p.L * dt + kWarps * dt);
+    kernel<<<static_cast<unsigned>(ctas), kThreads, smem, stream>>>(p, g, blocks);
+  };
+  if (head <= 64) go(decode_backward<T, 64>, 64);
+  else if (head <= 128) go(decode_backward<T, 128>, 128);
+  else go(decode_backward<T, 256>, 256);
+  check_launch("decode backward");
+}
+
+void decode_backward_run(const DevProblem& p, const BackwardBuffers<float>& g, cudaStream_t stream) {
+  if (p.q.dtype == DType::Float16) launch_backward_for_head<__half>(p, g, stream);
+  else launch_backward_for_head<__nv_bfloat16>(p, g, stream);
 }
 
 int64_t decode_stats_floats(const DevProblem& p) {
