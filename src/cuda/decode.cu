@@ -62,14 +62,25 @@ SDPA_MATH_D void unpack16(const uint4& raw, float (&x)[16 / sizeof(T)]) {
   }
 }
 
-// The 16-byte chunk c of this lane in row `row_at` (elements) of operand op, zero past `width`
-// or for rows past the block.
-template <typename T, int DT>
-SDPA_MATH_D uint4 load_chunk(const DevOperand& op, int64_t row_at, bool row_ok, int sub, int c, int64_t width) {
+// This lane's 16-byte chunks of the rows it reads in U warp steps from row j0: row
+// j0 + u * KPW + lane / LPK of operand op (lead offset `at`), zero past `width` and for rows at
+// or past j_end (or all rows when !wanted).
+template <typename T, int DT, int U>
+SDPA_MATH_D void load_rows(const DevOperand& op, int64_t at, int64_t j0, int64_t j_end, int64_t width, int lane,
+                           bool wanted, uint4 (&raw)[U][Layout<T, DT>::CH]) {
   using Lay = Layout<T, DT>;
-  const int64_t e0 = static_cast<int64_t>(sub + c * Lay::LPK) * Lay::EPL;
-  if (!row_ok || e0 >= width) return make_uint4(0u, 0u, 0u, 0u);
-  return __ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const T*>(op.data) + row_at + e0));
+  const int sub = lane % Lay::LPK, kofs = lane / Lay::LPK;
+  const T* row0 = reinterpret_cast<const T*>(op.data) + at + (j0 + kofs) * op.row;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const bool row_ok = wanted && j0 + u * Lay::KPW + kofs < j_end;
+#pragma unroll
+    for (int c = 0; c < Lay::CH; ++c) {
+      const int64_t e0 = static_cast<int64_t>(sub + c * Lay::LPK) * Lay::EPL;
+      raw[u][c] = row_ok && e0 < width ? __ldg(reinterpret_cast<const uint4*>(row0 + u * Lay::KPW * op.row + e0))
+                                       : make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
 }
 
 // The query rows of this head in shared memory as fp32 (rows x DT, zero past E).
@@ -91,14 +102,7 @@ SDPA_MATH_D void key_logits(const DevProblem& p, const float* q, int64_t k_at, i
   using Lay = Layout<T, DT>;
   const int sub = lane % Lay::LPK, kofs = lane / Lay::LPK;
   uint4 raw[kUnroll][Lay::CH];
-  const int64_t row0 = k_at + (j0 + kofs) * p.k.row;
-#pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
-    const int64_t j = j0 + u * Lay::KPW + kofs;
-#pragma unroll
-    for (int c = 0; c < Lay::CH; ++c)
-      raw[u][c] = load_chunk<T, DT>(p.k, row0 + u * Lay::KPW * p.k.row, j < j_end, sub, c, p.E);
-  }
+  load_rows<T, DT, kUnroll>(p.k, k_at, j0, j_end, p.E, lane, true, raw);
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
@@ -123,31 +127,6 @@ SDPA_MATH_D void key_logits(const DevProblem& p, const float* q, int64_t k_at, i
       const int64_t j = j0 + u * Lay::KPW + kofs;
       if (j < j_end) s[u][r] = masked_logit<float>(p, acc, m_at, r, j);
     }
-  }
-}
-
-// (m, l) += one logit, and the combine of two pairs; -inf maxima carry no mass.
-SDPA_MATH_D void add_logit(float& m, float& l, float s) {
-  if (s == neg_inf<float>()) return;
-  if (s > m) {
-    l = l * __expf(m - s) + 1.0f;
-    m = s;
-  } else {
-    l += __expf(s - m);
-  }
-}
-SDPA_MATH_D void combine(float& m, float& l, float m2, float l2) {
-  if (m2 == neg_inf<float>()) return;
-  if (m == neg_inf<float>()) {
-    m = m2;
-    l = l2;
-    return;
-  }
-  if (m2 > m) {
-    l = l * __expf(m - m2) + l2;
-    m = m2;
-  } else {
-    l += l2 * __expf(m2 - m);
   }
 }
 
@@ -178,7 +157,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) decode_stats(DevPro
       for (int r = 0; r < kDecodeMaxRows; ++r) {
         if (r >= p.L) break;
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) add_logit(m[r], l[r], s[u][r]);
+        for (int u = 0; u < kUnroll; ++u) lse_combine<float>(m[r], l[r], s[u][r], 1.0f);
       }
   }
   // Over the warp's key groups, then over warps.
@@ -187,7 +166,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) decode_stats(DevPro
     if (r >= p.L) break;
 #pragma unroll
     for (int o = 16; o >= Lay::LPK; o >>= 1)
-      combine(m[r], l[r], __shfl_xor_sync(0xffffffffu, m[r], o), __shfl_xor_sync(0xffffffffu, l[r], o));
+      lse_combine<float>(m[r], l[r], __shfl_xor_sync(0xffffffffu, m[r], o), __shfl_xor_sync(0xffffffffu, l[r], o));
     if (lane == 0) {
       part[(warp * kDecodeMaxRows + r) * 2] = m[r];
       part[(warp * kDecodeMaxRows + r) * 2 + 1] = l[r];
@@ -197,7 +176,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) decode_stats(DevPro
   if (threadIdx.x < p.L) {
     const int r = threadIdx.x;
     float mm = neg_inf<float>(), ll = 0.0f;
-    for (int w = 0; w < kWarps; ++w) combine(mm, ll, part[(w * kDecodeMaxRows + r) * 2], part[(w * kDecodeMaxRows + r) * 2 + 1]);
+    for (int w = 0; w < kWarps; ++w) lse_combine<float>(mm, ll, part[(w * kDecodeMaxRows + r) * 2], part[(w * kDecodeMaxRows + r) * 2 + 1]);
     float* st = b.stats + ((lead * p.L + r) * b.blocks + blk) * 2;
     st[0] = mm;
     st[1] = ll;
@@ -221,7 +200,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) decode_probs(DevPro
     const int r = threadIdx.x;
     float mm = neg_inf<float>(), ll = 0.0f;
     const float* st = b.stats + (lead * p.L + r) * b.blocks * 2;
-    for (int64_t c = 0; c < b.blocks; ++c) combine(mm, ll, st[2 * c], st[2 * c + 1]);
+    for (int64_t c = 0; c < b.blocks; ++c) lse_combine<float>(mm, ll, st[2 * c], st[2 * c + 1]);
     row_max[r] = mm;
     row_sum[r] = ll;
     // The log-sum-exp, once per row (contract §6: -inf for a fully masked row).
@@ -265,14 +244,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) decode_probs(DevPro
     float acc[Lay::CH][Lay::EPL] = {};
     for (int64_t jj0 = warp * kStep; jj0 < n; jj0 += kWarps * kStep) {
       uint4 raw[kUnroll][Lay::CH];
-      const int64_t row0 = v_at + (first + jj0 + kofs) * p.v.row;
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t jj = jj0 + u * Lay::KPW + kofs;
-#pragma unroll
-        for (int c = 0; c < Lay::CH; ++c)
-          raw[u][c] = load_chunk<T, DT>(p.v, row0 + u * Lay::KPW * p.v.row, jj < n, sub, c, p.Ev);
-      }
+      load_rows<T, DT, kUnroll>(p.v, v_at, first + jj0, j_end, p.Ev, lane, true, raw);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t jj = jj0 + u * Lay::KPW + kofs;
@@ -363,15 +335,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM - 1) decode_backward
 
   for (int64_t j0 = first + warp * kStep; j0 < j_end; j0 += kWarps * kStep) {
     uint4 kraw[U][Lay::CH], vraw[U][Lay::CH];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t j = j0 + u * Lay::KPW + kofs;
-#pragma unroll
-      for (int c = 0; c < Lay::CH; ++c) {
-        kraw[u][c] = load_chunk<T, DT>(p.k, k_at + j * p.k.row, j < j_end, sub, c, p.E);
-        vraw[u][c] = load_chunk<T, DT>(p.v, v_at + j * p.v.row, j < j_end && (has_go || !a_from_probs), sub, c, p.Ev);
-      }
-    }
+    load_rows<T, DT, U>(p.k, k_at, j0, j_end, p.E, lane, true, kraw);
+    load_rows<T, DT, U>(p.v, v_at, j0, j_end, p.Ev, lane, has_go, vraw);  // V only feeds dO . V
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int64_t j = j0 + u * Lay::KPW + kofs;

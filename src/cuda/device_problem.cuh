@@ -120,6 +120,24 @@ SDPA_MATH_D Acc prob_from_max_sum(Acc logit, Acc m, Acc l) {
   else return __expf(logit - m) / l;
 }
 
+// The row's running (max, sum of exp) pair (m, l) combined with another (m2, l2); a logit s adds
+// as (s, 1). -inf maxima carry no mass, so fully masked rows keep l = 0.
+template <typename Acc>
+SDPA_MATH_D void lse_combine(Acc& m, Acc& l, Acc m2, Acc l2) {
+  if (m2 == neg_inf<Acc>()) return;
+  if (m == neg_inf<Acc>()) {
+    m = m2;
+    l = l2;
+    return;
+  }
+  if (m2 > m) {
+    l = l * exp(m - m2) + l2;
+    m = m2;
+  } else {
+    l += l2 * exp(m2 - m);
+  }
+}
+
 // Contract §8/§9: the keep mask M of element (lead, i, j) as 0/1 (1 without dropout).
 template <typename Acc>
 SDPA_MATH_D Acc keep_of(const DevProblem& p, int64_t dmask_base, int64_t lead, int64_t i, int64_t j) {

@@ -39,15 +39,6 @@ __device__ Acc block_sum(Acc v, Acc* red) {
   return r;
 }
 
-// Online (max, sum) pair combine; -inf maxima carry no mass.
-template <typename Acc>
-__device__ void lse_combine(Acc& m, Acc& l, Acc m2, Acc l2) {
-  if (m2 == neg_inf<Acc>()) return;
-  if (m == neg_inf<Acc>()) { m = m2; l = l2; return; }
-  if (m2 > m) { l = l * exp(m - m2) + l2; m = m2; }
-  else l += l2 * exp(m2 - m);
-}
-
 template <typename Acc>
 __global__ void __launch_bounds__(kThreads) forward_rows(DevProblem p) {
   extern __shared__ unsigned char smem_raw[];
