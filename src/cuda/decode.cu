@@ -8,10 +8,11 @@
 //      a few KB of stats plus an fp32 O), and the block's share of O = sum_j P_j V_j added
 //      atomically to the fp32 O;
 //   3) decode_output: O rounded to its dtype (times c for an explicit dropout mask).
-// Rows of K and V are read 16 bytes per lane (a warp reads 512 bytes per instruction: enough in
-// flight to stream K and V); a key row is split over LPK lanes, so a warp covers 32 / LPK keys
-// per load. Every contract rule (mask, causal, dropout, fully masked rows) comes from
-// device_problem.cuh.
+// decode_backward (fp16/bf16) reads each K and V row once per key block likewise.
+// Rows of K and V are read 16 bytes per lane, a key row split over LPK lanes, so a warp covers
+// 32 / LPK keys per load and issues the loads of several steps together; on the H200 these
+// kernels reach about half the DRAM bandwidth (bench/NOTES.md, step 12). Every contract rule
+// (mask, causal, dropout, fully masked rows) comes from device_problem.cuh.
 #include <type_traits>
 
 #include "decode.cuh"
