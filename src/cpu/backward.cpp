@@ -182,7 +182,7 @@ void backward(const core::Problem& p, const BackwardArgs& args, const BackwardOu
         flush();
         acc_lead = lead;
       }
-      pack.pack(p, lead);
+      pack.pack(p, lead, blocks_per_head > 1);
       const RowContext ctx(p, lead);
       const int64_t q_at = core::lead_offset(p, p.query, lead);
       for (int64_t r = 0; r < rows; ++r)
@@ -190,12 +190,12 @@ void backward(const core::Problem& p, const BackwardArgs& args, const BackwardOu
       const int64_t cols = ctx.visible(i0 + rows - 1);
 
       // The logits when A is recomputed; G = dO V^T into dA.
-      if (!saved_A) gemm_nt(rows, cols, E, scale, q.data(), E, pack.key, pack.key_ld, A.data(), S, false);
+      if (!saved_A) pack.times_key_t(rows, cols, scale, q.data(), E, A.data(), S);
       if (has_dO) {
         const int64_t at = core::lead_offset(p, dO, lead);
         for (int64_t r = 0; r < rows; ++r)
           load_row(dO.dtype, dO.data, at + (i0 + r) * dO.row_stride, dO.col_stride, Ev, dout.data() + r * Ev);
-        gemm_nt(rows, cols, Ev, 1.0f, dout.data(), Ev, pack.value, pack.value_ld, dA.data(), S, false);
+        pack.times_value_t(rows, cols, 1.0f, dout.data(), Ev, dA.data(), S);
       } else {
         std::fill(dA.begin(), dA.end(), 0.0f);
       }

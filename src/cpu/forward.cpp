@@ -40,14 +40,14 @@ void forward(const core::Problem& p, const ForwardOutputs& out) {
     for (int64_t t = 0; t < tasks; ++t) {
       const int64_t lead = t / blocks_per_head, i0 = (t % blocks_per_head) * block;
       const int64_t rows = std::min(block, p.L - i0);
-      pack.pack(p, lead);
+      pack.pack(p, lead, blocks_per_head > 1);
       const RowContext ctx(p, lead);
       const int64_t q_at = core::lead_offset(p, p.query, lead);
       for (int64_t r = 0; r < rows; ++r)
         load_row(p.dtype, p.query.data, q_at + (i0 + r) * p.query.row_stride, p.query.col_stride, E, q.data() + r * E);
       const int64_t cols = ctx.visible(i0 + rows - 1);  // keys any row of the block can see
 
-      gemm_nt(rows, cols, E, static_cast<float>(p.scale), q.data(), E, pack.key, pack.key_ld, scores.data(), S, false);
+      pack.times_key_t(rows, cols, static_cast<float>(p.scale), q.data(), E, scores.data(), S);
 
       const int64_t o_at = core::lead_offset(p, O, lead), p_at = core::lead_offset(p, P, lead),
                     l_at = core::lead_offset(p, LSE, lead);

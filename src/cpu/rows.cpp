@@ -11,6 +11,7 @@
 #include <cstring>
 #include <limits>
 
+#include "gemm.h"
 #include "sdpa_math/dropout_rng.h"
 #include "sdpa_math/half.h"
 
@@ -293,18 +294,45 @@ void fp32_rows(const core::Operand& op, int64_t at, int64_t n, int64_t width, st
   rows = copy.data();
   ld = width;
 }
+
+// dst (width x n) = src (n rows x width, leading dimension ld) transposed, 32 rows at a time so
+// the rows being read stay in L1.
+void transpose_rows(const float* src, int64_t ld, int64_t n, int64_t width, std::vector<float>& dst) {
+  dst.resize(n * width);
+  for (int64_t j0 = 0; j0 < n; j0 += 32) {
+    const int64_t j1 = std::min(n, j0 + 32);
+    for (int64_t e = 0; e < width; ++e)
+      for (int64_t j = j0; j < j1; ++j) dst[e * n + j] = src[j * ld + e];
+  }
+}
 }  // namespace
 
-void HeadPack::pack(const core::Problem& p, int64_t lead) {
+void HeadPack::pack(const core::Problem& p, int64_t lead, bool transposed) {
   const int64_t k_at = core::lead_offset(p, p.key, lead), v_at = core::lead_offset(p, p.value, lead);
+  E = p.E, Ev = p.Ev, S = p.S;
+  has_t = transposed;
   if (k_at != key_at) {
     fp32_rows(p.key, k_at, p.S, p.E, key_copy, key, key_ld);
+    if (transposed) transpose_rows(key, key_ld, p.S, p.E, key_t);
     key_at = k_at;
   }
   if (v_at != value_at) {
     fp32_rows(p.value, v_at, p.S, p.Ev, value_copy, value, value_ld);
+    if (transposed) transpose_rows(value, value_ld, p.S, p.Ev, value_t);
     value_at = v_at;
   }
+}
+
+void HeadPack::times_key_t(int64_t rows, int64_t cols, float alpha, const float* A, int64_t lda, float* C,
+                           int64_t ldc) const {
+  if (has_t) gemm(rows, cols, E, alpha, A, lda, key_t.data(), S, C, ldc, false);
+  else gemm_nt(rows, cols, E, alpha, A, lda, key, key_ld, C, ldc, false);
+}
+
+void HeadPack::times_value_t(int64_t rows, int64_t cols, float alpha, const float* A, int64_t lda, float* C,
+                             int64_t ldc) const {
+  if (has_t) gemm(rows, cols, Ev, alpha, A, lda, value_t.data(), S, C, ldc, false);
+  else gemm_nt(rows, cols, Ev, alpha, A, lda, value, value_ld, C, ldc, false);
 }
 
 float dot_row(const float* a, const float* b, int64_t n) {
