@@ -11,7 +11,7 @@
 // decode_backward (fp16/bf16) reads each K and V row once per key block likewise.
 // Rows of K and V are read 16 bytes per lane, a key row split over LPK lanes, so a warp covers
 // 32 / LPK keys per load and issues the loads of several steps together; on the H200 these
-// kernels reach about half the DRAM bandwidth (bench/NOTES.md, step 12). Every contract rule
+// kernels reach about half the DRAM bandwidth (bench/NOTES.md, step 13). Every contract rule
 // (mask, causal, dropout, fully masked rows) comes from device_problem.cuh.
 #include <type_traits>
 
