@@ -35,11 +35,6 @@ void add_block(float* dst, int64_t row_stride, int64_t col_stride, const float* 
   }
 }
 
-void transpose(const float* src, int64_t rows, int64_t cols, int64_t src_ld, float* dst) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) dst[c * rows + r] = src[r * src_ld + c];
-}
-
 // Where one requested gradient goes. Tasks that own their rows write them outright: into the
 // output when it is float32 and contiguous, else (contiguous, another dtype) converted row by
 // row into it. Otherwise tasks add into a dense fp32 buffer (the output itself when float32 and

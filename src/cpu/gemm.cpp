@@ -1,5 +1,6 @@
 #include "gemm.h"
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -70,6 +71,14 @@ void gemm(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t 
     }
 }
 
+void transpose(const float* src, int64_t rows, int64_t cols, int64_t ld, float* dst) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 32) {
+    const int64_t r1 = std::min(rows, r0 + 32);
+    for (int64_t c = 0; c < cols; ++c)
+      for (int64_t r = r0; r < r1; ++r) dst[c * rows + r] = src[r * ld + c];
+  }
+}
+
 void gemm_nt(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda, const float* B, int64_t ldb,
              float* C, int64_t ldc, bool accumulate) {
   // B's rows are C's columns. Each panel of up to 32 of them is transposed into a small buffer
@@ -78,12 +87,7 @@ void gemm_nt(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64
   // whole product when M is 1 (decode).
   thread_local std::vector<float> panel;
   panel.resize(static_cast<size_t>(K) * 32);
-  auto transpose_panel = [&](int64_t j, int64_t width) {
-    for (int64_t c = 0; c < width; ++c) {
-      const float* row = B + (j + c) * ldb;
-      for (int64_t k = 0; k < K; ++k) panel[k * width + c] = row[k];
-    }
-  };
+  auto transpose_panel = [&](int64_t j, int64_t width) { transpose(B + j * ldb, width, K, ldb, panel.data()); };
   int64_t j = 0;
   for (; j + 32 <= N; j += 32) {
     transpose_panel(j, 32);

@@ -14,4 +14,8 @@ void gemm(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t 
 void gemm_nt(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda, const float* B, int64_t ldb,
              float* C, int64_t ldc, bool accumulate);
 
+// dst (cols x rows, packed) = src (rows x cols, leading dimension ld) transposed, 32 source rows
+// at a time so the rows being read stay in L1.
+void transpose(const float* src, int64_t rows, int64_t cols, int64_t ld, float* dst);
+
 }  // namespace sdpa_math::cpu

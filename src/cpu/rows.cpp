@@ -295,16 +295,6 @@ void fp32_rows(const core::Operand& op, int64_t at, int64_t n, int64_t width, st
   ld = width;
 }
 
-// dst (width x n) = src (n rows x width, leading dimension ld) transposed, 32 rows at a time so
-// the rows being read stay in L1.
-void transpose_rows(const float* src, int64_t ld, int64_t n, int64_t width, std::vector<float>& dst) {
-  dst.resize(n * width);
-  for (int64_t j0 = 0; j0 < n; j0 += 32) {
-    const int64_t j1 = std::min(n, j0 + 32);
-    for (int64_t e = 0; e < width; ++e)
-      for (int64_t j = j0; j < j1; ++j) dst[e * n + j] = src[j * ld + e];
-  }
-}
 }  // namespace
 
 void HeadPack::pack(const core::Problem& p, int64_t lead, bool transposed) {
@@ -313,12 +303,18 @@ void HeadPack::pack(const core::Problem& p, int64_t lead, bool transposed) {
   has_t = transposed;
   if (k_at != key_at) {
     fp32_rows(p.key, k_at, p.S, p.E, key_copy, key, key_ld);
-    if (transposed) transpose_rows(key, key_ld, p.S, p.E, key_t);
+    if (transposed) {
+      key_t.resize(p.S * p.E);
+      transpose(key, p.S, p.E, key_ld, key_t.data());
+    }
     key_at = k_at;
   }
   if (v_at != value_at) {
     fp32_rows(p.value, v_at, p.S, p.Ev, value_copy, value, value_ld);
-    if (transposed) transpose_rows(value, value_ld, p.S, p.Ev, value_t);
+    if (transposed) {
+      value_t.resize(p.S * p.Ev);
+      transpose(value, p.S, p.Ev, value_ld, value_t.data());
+    }
     value_at = v_at;
   }
 }
