@@ -4,9 +4,11 @@
 //   G = dO V^T,  dA by the dropout rule,  dS = A (dA - rowsum(A dA)),
 //   dQ += scale dS K,  dK += scale dS^T Q,  dV += W^T dO,  dMask += dS.
 // dQ, dK and dV accumulate in fp32 in one dense buffer per input, of the input's own shape (where
-// broadcast and GQA copies sum by construction), shared by the threads: a thread sums a head's dK
-// and dV privately and adds them in when it moves to another head (or writes them directly when
-// the head is its task alone); a task writes its dQ rows directly unless Q is broadcast. A float32 contiguous gradient is that buffer itself.
+// broadcast and GQA copies sum by construction), shared by the threads; a float32 contiguous
+// gradient is that buffer itself. A thread sums a head's dK and dV privately and adds them in
+// when it moves to another head, or writes them outright when it runs the whole head and no other
+// head shares its keys; a task writes its dQ rows outright unless Q is broadcast. dK = dS^T Q and
+// dV = W^T dO read dS and W by columns (gemm_tn), without transposed copies.
 #include <omp.h>
 
 #include <algorithm>
@@ -21,6 +23,9 @@
 
 namespace sdpa_math::cpu {
 namespace {
+
+// fp32 rows with unit column stride: read where they are, without a copy.
+bool in_place(const core::Operand& op) { return op.dtype == DType::Float32 && op.col_stride == 1; }
 
 // dst += src over a (rows x cols) block with the given strides of dst.
 void add_block(float* dst, int64_t row_stride, int64_t col_stride, const float* src, int64_t rows, int64_t cols) {
@@ -121,14 +126,17 @@ void backward(const core::Problem& p, const BackwardArgs& args, const BackwardOu
   const float c = static_cast<float>(p.keep_scale());
   const float scale = static_cast<float>(p.scale);
   const int nthreads = threads_for(std::max<int64_t>(tasks, 1));
+  const int64_t chunk = task_chunk(p.num_lead, blocks_per_head, nthreads);
 
   // Distinct (lead, row) pairs own distinct dQ rows unless Q is broadcast over a lead dim: then
   // each task writes its dQ rows outright.
   const bool q_rows_owned = p.query.own_shape.numel() == p.num_lead * p.L * E;
-  // With one task per head (L within one block: decode) and no GQA or broadcast on K (V), a
-  // task owns its head's dK (dV) rows outright and writes them (the keys it cannot see: zeros).
-  const bool k_rows_owned = blocks_per_head == 1 && p.key.own_shape.numel() == p.num_lead * S * E;
-  const bool v_rows_owned = blocks_per_head == 1 && p.value.own_shape.numel() == p.num_lead * S * Ev && has_dO;
+  // A thread owns a head's dK (dV) rows when it runs all of the head's row blocks (one block per
+  // head, or a whole head per chunk) and no other head shares them (no GQA or broadcast on K (V)):
+  // it then writes them outright (the keys no row sees: zeros), with no zeroing pass or lock.
+  const bool whole_heads = blocks_per_head == 1 || chunk == blocks_per_head;
+  const bool k_rows_owned = whole_heads && p.key.own_shape.numel() == p.num_lead * S * E;
+  const bool v_rows_owned = whole_heads && p.value.own_shape.numel() == p.num_lead * S * Ev && has_dO;
   GradBuffer gq, gk, gv;
   gq.init(out.grad_query, q_rows_owned);
   gk.init(out.grad_key, k_rows_owned);
@@ -149,7 +157,7 @@ void backward(const core::Problem& p, const BackwardArgs& args, const BackwardOu
     gv.zero_in_parallel();
     HeadPack pack;
     std::vector<float> q(block * E), dout(block * Ev), A(block * S), dA(block * S), W(block * S);
-    std::vector<float> transposed(S * block), tmp(S), keep(S), dp(S), dq_block(block * E);
+    std::vector<float> tmp(S), keep(S), dp(S), dq_block(block * E);
     // A head's dK, dV: summed here unless the task writes straight into an fp32 output.
     std::vector<float> dk(gk.wanted() && !(k_rows_owned && gk.data) ? S * E : 0);
     std::vector<float> dv(gv.wanted() && !(v_rows_owned && gv.data) ? S * Ev : 0);
@@ -169,7 +177,7 @@ void backward(const core::Problem& p, const BackwardArgs& args, const BackwardOu
       std::fill(dv.begin(), dv.end(), 0.0f);
     };
 
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, chunk)
     for (int64_t t = 0; t < tasks; ++t) {
       const int64_t lead = t / blocks_per_head, i0 = (t % blocks_per_head) * block;
       const int64_t rows = std::min(block, p.L - i0);
@@ -197,33 +205,46 @@ void backward(const core::Problem& p, const BackwardArgs& args, const BackwardOu
       const int64_t dp_at = has_dP ? core::lead_offset(p, dP, lead) : 0;
       const int64_t pa_at = saved_A ? core::lead_offset(p, Psaved, lead) : 0;
       const int64_t gm_at = want_mask ? core::dense_lead_offset(p, p.attn_mask, lead) : 0;
+      // A's rows: the saved P in place when it is fp32 with unit column stride, else converted or
+      // recomputed into A. dP's rows likewise, read in place when they can be.
+      const float* a_rows = A.data();
+      int64_t a_ld = S;
+      if (saved_A && in_place(Psaved)) {
+        a_rows = reinterpret_cast<const float*>(Psaved.data) + pa_at + i0 * Psaved.row_stride;
+        a_ld = Psaved.row_stride;
+      }
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = i0 + r;
-        float* a = A.data() + r * S;
+        const float* a = a_rows + r * a_ld;
         float* da = dA.data() + r * S;
         float* w = W.data() + r * S;
-        if (saved_A) {
-          load_row(Psaved.dtype, Psaved.data, pa_at + i * Psaved.row_stride, Psaved.col_stride, cols, a);
-        } else {
-          ctx.mask_scores(i, a, cols, tmp.data());
-          // The softmax again, as the forward took it (max, sum, divide), not exp(s - lse): where
-          // every logit is near finfo.min, lse rounds to the max and would lose the 1/sum.
-          softmax_row(a, cols);
+        if (a_rows == A.data()) {
+          float* a_own = A.data() + r * S;
+          if (saved_A) {
+            load_row(Psaved.dtype, Psaved.data, pa_at + i * Psaved.row_stride, Psaved.col_stride, cols, a_own);
+          } else {
+            ctx.mask_scores(i, a_own, cols, tmp.data());
+            // The softmax again, as the forward took it (max, sum, divide), not exp(s - lse): where
+            // every logit is near finfo.min, lse rounds to the max and would lose the 1/sum.
+            softmax_row(a_own, cols);
+          }
         }
-        if (has_dP) load_row(dP.dtype, dP.data, dp_at + i * dP.row_stride, dP.col_stride, cols, dp.data());
+        const float* dp_row = dp.data();
+        if (has_dP && in_place(dP)) dp_row = reinterpret_cast<const float*>(dP.data) + dp_at + i * dP.row_stride;
+        else if (has_dP) load_row(dP.dtype, dP.data, dp_at + i * dP.row_stride, dP.col_stride, cols, dp.data());
         else std::fill(dp.begin(), dp.begin() + cols, 0.0f);
         // dA and W per the table of contract §11 (W = A without dropout, c A M with either rule).
         switch (p.dropout) {
           case core::DropoutMode::None:
-            for (int64_t j = 0; j < cols; ++j) da[j] += dp[j];
+            for (int64_t j = 0; j < cols; ++j) da[j] += dp_row[j];
             break;
           case core::DropoutMode::ExplicitMask:
             ctx.keep_row(i, keep.data(), cols);
-            for (int64_t j = 0; j < cols; ++j) { da[j] = keep[j] * (c * da[j] + dp[j]); w[j] = c * a[j] * keep[j]; }
+            for (int64_t j = 0; j < cols; ++j) { da[j] = keep[j] * (c * da[j] + dp_row[j]); w[j] = c * a[j] * keep[j]; }
             break;
           case core::DropoutMode::Random:
             ctx.keep_row(i, keep.data(), cols);
-            for (int64_t j = 0; j < cols; ++j) { da[j] = c * keep[j] * (da[j] + dp[j]); w[j] = c * a[j] * keep[j]; }
+            for (int64_t j = 0; j < cols; ++j) { da[j] = c * keep[j] * (da[j] + dp_row[j]); w[j] = c * a[j] * keep[j]; }
             break;
         }
         const float delta = dot_row(a, da, cols);
@@ -234,7 +255,9 @@ void backward(const core::Problem& p, const BackwardArgs& args, const BackwardOu
         }
       }
       // W is A itself without dropout (the product below reads A then).
-      const float* weights = p.dropout == core::DropoutMode::None ? A.data() : W.data();
+      const bool w_is_a = p.dropout == core::DropoutMode::None;
+      const float* weights = w_is_a ? a_rows : W.data();
+      const int64_t weights_ld = w_is_a ? a_ld : S;
 
       // dQ += scale dS K: written outright when this task owns the rows, else added.
       if (gq.wanted()) {
@@ -252,36 +275,24 @@ void backward(const core::Problem& p, const BackwardArgs& args, const BackwardOu
           }
         }
       }
-      // dK += scale dS^T Q and dV += W^T dO for the keys this block sees. An owned head is
-      // written outright (its hidden keys as zeros): into an fp32 output directly, else from
-      // dk, dv converted.
-      if (gk.wanted()) {
-        transpose(dA.data(), rows, cols, S, transposed.data());
-        const int64_t at = core::dense_lead_offset(p, p.key, lead);
-        if (k_rows_owned && gk.data) {
-          gemm(cols, E, rows, scale, transposed.data(), rows, q.data(), E, gk.data + at, p.key.dense_row_stride, false);
-          gk.write_rows(at + cols * p.key.dense_row_stride, p.key.dense_row_stride, nullptr, 0, S - cols, E);
-        } else if (k_rows_owned) {
-          gemm(cols, E, rows, scale, transposed.data(), rows, q.data(), E, dk.data(), E, false);
-          gk.write_rows(at, p.key.dense_row_stride, dk.data(), cols, S, E);
+      // dK += scale dS^T Q and dV += W^T dO for the keys this block sees. An owned head is summed
+      // over its blocks straight into an fp32 output (the first block zeroes the keys it cannot
+      // see); else in dk, dv: written converted after the head's last block when owned, added
+      // under the lock by flush() when not.
+      const bool first_block = i0 == 0, last_block = i0 + rows == p.L;
+      auto key_side = [&](const GradBuffer& g, bool owned, std::vector<float>& acc, const core::Operand& op,
+                          int64_t width, float alpha, const float* a, int64_t lda, const float* b) {
+        const int64_t at = core::dense_lead_offset(p, op, lead), ld = op.dense_row_stride;
+        if (owned && g.data) {
+          gemm_tn(cols, width, rows, alpha, a, lda, b, width, g.data + at, ld, !first_block);
+          if (first_block) g.write_rows(at + cols * ld, ld, nullptr, 0, S - cols, width);
         } else {
-          gemm(cols, E, rows, scale, transposed.data(), rows, q.data(), E, dk.data(), E, true);
+          gemm_tn(cols, width, rows, alpha, a, lda, b, width, acc.data(), width, true);
+          if (owned && last_block) g.write_rows(at, ld, acc.data(), S, S, width);
         }
-      }
-      if (gv.wanted() && has_dO) {
-        transpose(weights, rows, cols, S, transposed.data());
-        const int64_t at = core::dense_lead_offset(p, p.value, lead);
-        if (v_rows_owned && gv.data) {
-          gemm(cols, Ev, rows, 1.0f, transposed.data(), rows, dout.data(), Ev, gv.data + at, p.value.dense_row_stride,
-               false);
-          gv.write_rows(at + cols * p.value.dense_row_stride, p.value.dense_row_stride, nullptr, 0, S - cols, Ev);
-        } else if (v_rows_owned) {
-          gemm(cols, Ev, rows, 1.0f, transposed.data(), rows, dout.data(), Ev, dv.data(), Ev, false);
-          gv.write_rows(at, p.value.dense_row_stride, dv.data(), cols, S, Ev);
-        } else {
-          gemm(cols, Ev, rows, 1.0f, transposed.data(), rows, dout.data(), Ev, dv.data(), Ev, true);
-        }
-      }
+      };
+      if (gk.wanted()) key_side(gk, k_rows_owned, dk, p.key, E, scale, dA.data(), S, q.data());
+      if (gv.wanted() && has_dO) key_side(gv, v_rows_owned, dv, p.value, Ev, 1.0f, weights, weights_ld, dout.data());
     }
     flush();
   }

@@ -12,6 +12,7 @@
 #include <limits>
 
 #include "gemm.h"
+#include "simd.h"
 #include "sdpa_math/dropout_rng.h"
 #include "sdpa_math/half.h"
 
@@ -130,20 +131,6 @@ void store_zeros(DType dtype, char* base, int64_t offset, int64_t stride, int64_
 }
 
 namespace {
-// 16 floats and 16 int32 (GCC/Clang vector extensions: one AVX-512 register, or two AVX2 ones).
-// The softmax's loops are written on these because GCC does not vectorise the scalar forms:
-// std::max and std::floor keep NaN and rounding-mode semantics that need -ffast-math to drop.
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-constexpr int64_t kLanes = 16;
-
-inline f32x16 load16(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
-inline f32x16 splat(float x) { return f32x16{} + x; }
 
 // exp(v): Cody-Waite range reduction v = k ln2 + r, |r| <= ln2/2, a degree-7 Taylor polynomial
 // (truncation error r^8/8! < 6e-9) and 2^k built in the exponent bits. Lanes below -87 (also
@@ -242,7 +229,7 @@ float softmax_row(float* x, int64_t n) {
   const int64_t full = n - n % kLanes;
   f32x16 mv = splat(kNegInf);
   for (int64_t j = 0; j < full; j += kLanes) {
-    const f32x16 v = load16(x + j);
+    const f32x16 v = load(x + j);
     mv = v > mv ? v : mv;
   }
   float m = kNegInf;
@@ -255,20 +242,20 @@ float softmax_row(float* x, int64_t n) {
   // exp(x - m) and its sum in one pass; padded tail lanes are -inf and add 0.
   f32x16 sv = f32x16{};
   for (int64_t j = 0; j < full; j += kLanes) {
-    const f32x16 e = exp16(load16(x + j) - m);
-    store16(x + j, e);
+    const f32x16 e = exp16(load(x + j) - m);
+    store(x + j, e);
     sv += e;
   }
   for_tail(x, n, [&](float* buf, int64_t rest) {
     for (int64_t l = rest; l < kLanes; ++l) buf[l] = kNegInf;
-    const f32x16 e = exp16(load16(buf) - m);
-    store16(buf, e);
+    const f32x16 e = exp16(load(buf) - m);
+    store(buf, e);
     sv += e;
   });
   float sum = 0.0f;
   for (int64_t l = 0; l < kLanes; ++l) sum += sv[l];
   const float inv = 1.0f / sum;
-  for (int64_t j = 0; j < full; j += kLanes) store16(x + j, load16(x + j) * inv);
+  for (int64_t j = 0; j < full; j += kLanes) store(x + j, load(x + j) * inv);
   for (int64_t j = full; j < n; ++j) x[j] *= inv;
   return m + std::log(sum);
 }
@@ -300,45 +287,45 @@ void fp32_rows(const core::Operand& op, int64_t at, int64_t n, int64_t width, st
 void HeadPack::pack(const core::Problem& p, int64_t lead, bool transposed) {
   const int64_t k_at = core::lead_offset(p, p.key, lead), v_at = core::lead_offset(p, p.value, lead);
   E = p.E, Ev = p.Ev, S = p.S;
-  has_t = transposed;
+  use_t = transposed;
   if (k_at != key_at) {
     fp32_rows(p.key, k_at, p.S, p.E, key_copy, key, key_ld);
-    if (transposed) {
-      key_t.resize(p.S * p.E);
-      transpose(key, p.S, p.E, key_ld, key_t.data());
-    }
     key_at = k_at;
+    key_t_ready = false;
   }
   if (v_at != value_at) {
     fp32_rows(p.value, v_at, p.S, p.Ev, value_copy, value, value_ld);
-    if (transposed) {
-      value_t.resize(p.S * p.Ev);
-      transpose(value, p.S, p.Ev, value_ld, value_t.data());
-    }
     value_at = v_at;
+    value_t_ready = false;
   }
 }
 
 void HeadPack::times_key_t(int64_t rows, int64_t cols, float alpha, const float* A, int64_t lda, float* C,
-                           int64_t ldc) const {
-  if (has_t) gemm(rows, cols, E, alpha, A, lda, key_t.data(), S, C, ldc, false);
-  else gemm_nt(rows, cols, E, alpha, A, lda, key, key_ld, C, ldc, false);
+                           int64_t ldc) {
+  if (!use_t) return gemm_nt(rows, cols, E, alpha, A, lda, key, key_ld, C, ldc, false);
+  if (!key_t_ready) {
+    key_t.resize(S * E);
+    transpose(key, S, E, key_ld, key_t.data(), S);
+    key_t_ready = true;
+  }
+  gemm(rows, cols, E, alpha, A, lda, key_t.data(), S, C, ldc, false);
 }
 
 void HeadPack::times_value_t(int64_t rows, int64_t cols, float alpha, const float* A, int64_t lda, float* C,
-                             int64_t ldc) const {
-  if (has_t) gemm(rows, cols, Ev, alpha, A, lda, value_t.data(), S, C, ldc, false);
-  else gemm_nt(rows, cols, Ev, alpha, A, lda, value, value_ld, C, ldc, false);
+                             int64_t ldc) {
+  if (!use_t) return gemm_nt(rows, cols, Ev, alpha, A, lda, value, value_ld, C, ldc, false);
+  if (!value_t_ready) {
+    value_t.resize(S * Ev);
+    transpose(value, S, Ev, value_ld, value_t.data(), S);
+    value_t_ready = true;
+  }
+  gemm(rows, cols, Ev, alpha, A, lda, value_t.data(), S, C, ldc, false);
 }
 
-float dot_row(const float* a, const float* b, int64_t n) {
-  const int64_t full = n - n % kLanes;
-  f32x16 acc = f32x16{};
-  for (int64_t j = 0; j < full; j += kLanes) acc += load16(a + j) * load16(b + j);
-  float sum = 0.0f;
-  for (int64_t l = 0; l < kLanes; ++l) sum += acc[l];
-  for (int64_t j = full; j < n; ++j) sum += a[j] * b[j];
-  return sum;
+int64_t task_chunk(int64_t heads, int64_t blocks_per_head, int threads) {
+  return heads >= 2 * threads ? blocks_per_head : 1;
 }
+
+float dot_row(const float* a, const float* b, int64_t n) { return dot(a, b, n); }
 
 }  // namespace sdpa_math::cpu

@@ -42,9 +42,10 @@ int threads_for(int64_t tasks);
 // One head's key and value as fp32 rows (S x E and S x Ev), the B operands of every tile
 // product: pointers straight into the inputs when they are fp32 with unit column stride, else
 // converted copies, kept while consecutive tasks of a thread stay on the same head. With
-// `transposed`, K^T and V^T (E x S, Ev x S) are kept too: when many row blocks share a head, one
-// transposed copy per head is cheaper than gemm_nt's transposing every panel for every block
-// (measured: Q K^T at 65-88 GFLOP/s through gemm_nt, 110 through gemm, one core).
+// `transposed`, K^T and V^T (E x S, Ev x S) are built on first use and kept too: when many row
+// blocks share a head, one transposed copy per head is cheaper than gemm_nt's transposing every
+// panel for every block (measured: Q K^T at 65-88 GFLOP/s through gemm_nt, 110 through gemm, one
+// core). The forward needs only K^T, the backward from a saved P only V^T.
 struct HeadPack {
   const float* key = nullptr;
   int64_t key_ld = 0;
@@ -52,15 +53,20 @@ struct HeadPack {
   int64_t value_ld = 0;
   void pack(const core::Problem& p, int64_t lead, bool transposed);
   // C = alpha * A K^T and C = alpha * A V^T over the first `cols` keys (C: rows x cols).
-  void times_key_t(int64_t rows, int64_t cols, float alpha, const float* A, int64_t lda, float* C, int64_t ldc) const;
-  void times_value_t(int64_t rows, int64_t cols, float alpha, const float* A, int64_t lda, float* C, int64_t ldc) const;
+  void times_key_t(int64_t rows, int64_t cols, float alpha, const float* A, int64_t lda, float* C, int64_t ldc);
+  void times_value_t(int64_t rows, int64_t cols, float alpha, const float* A, int64_t lda, float* C, int64_t ldc);
 
  private:
   int64_t E = 0, Ev = 0, S = 0;
   int64_t key_at = -1, value_at = -1;
-  bool has_t = false;
+  bool use_t = false, key_t_ready = false, value_t_ready = false;
   std::vector<float> key_copy, value_copy, key_t, value_t;
 };
+
+// Tasks (head, row block) a thread takes at a time: a whole head's blocks when there are heads
+// enough to share out, so that one thread builds each head's K^T, V^T (and sums its dK, dV)
+// once; else one block, for balance.
+int64_t task_chunk(int64_t heads, int64_t blocks_per_head, int threads);
 
 // sum_j a[j] * b[j] in fp32, vectorised.
 float dot_row(const float* a, const float* b, int64_t n);

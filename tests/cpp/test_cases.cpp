@@ -358,7 +358,10 @@ std::vector<Case> backward_cases() {
     c.S = 300;
     c.E = c.Ev = 64;
     c.mask = MaskKind::FloatPerHead;
-    add(c);
+    add(c);  // several row blocks per head, heads enough for a thread to take whole heads
+    c.batch = {1};
+    c.hq = c.hkv = 1;
+    add(c);  // one head of several row blocks: threads share it and add dK, dV under the lock
   }
   return cases;
 }

@@ -1,8 +1,12 @@
-// The CPU backend's building blocks against plain double-precision loops: the tile products
-// (every register-block and tail path: 32/16/8-wide panels, fewer than 8 columns, 8/4/1-row
-// blocks, leading dimensions wider than the tile, accumulate) and the vectorised softmax
-// (lengths that are and are not multiples of the 16-lane vectors, -inf entries, masked rows),
-// and the vectorised fp16 row conversions against half.h's scalar ones, bit for bit.
+// The CPU backend's building blocks against plain double-precision loops:
+// - the tile products A B, A B^T and A^T B: every register-block and tail path (32/16/8-wide
+//   panels, fewer than 8 columns through the padded panel, 8/4/1-row blocks, fewer than 8 rows of
+//   A B^T as dot products with and without a K tail), leading dimensions wider than the tile,
+//   accumulate;
+// - the transpose: 16 x 16 register blocks and the scalar edges;
+// - the vectorised softmax: lengths that are and are not multiples of the 16-lane vectors, -inf
+//   entries, masked rows;
+// - the vectorised fp16 row conversions against half.h's scalar ones, bit for bit.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -30,33 +34,41 @@ std::vector<float> random_floats(std::mt19937_64& rng, size_t n) {
 
 class TileProduct : public ::testing::TestWithParam<Dims> {};
 
+enum class Form { NN, NT, TN };
+
 TEST_P(TileProduct, MatchesDoubleLoops) {
   const auto [M, N, K] = GetParam();
   std::mt19937_64 rng(M * 1000003 + N * 1009 + K);
   // Padded leading dimensions: the kernels must honour them, not assume packed rows.
-  const int64_t lda = K + 3, ldb_nn = N + 5, ldb_nt = K + 7, ldc = N + 2;
-  const std::vector<float> A = random_floats(rng, M * lda), Bnn = random_floats(rng, K * ldb_nn),
-                           Bnt = random_floats(rng, N * ldb_nt), C0 = random_floats(rng, M * ldc);
+  const int64_t lda = K + 3, lda_tn = M + 3, ldb_nn = N + 5, ldb_nt = K + 7, ldc = N + 2;
+  const std::vector<float> A = random_floats(rng, M * lda), Atn = random_floats(rng, K * lda_tn),
+                           Bnn = random_floats(rng, K * ldb_nn), Bnt = random_floats(rng, N * ldb_nt),
+                           C0 = random_floats(rng, M * ldc);
   const float alpha = 0.75f;
-  for (bool nt : {false, true}) {
+  for (Form form : {Form::NN, Form::NT, Form::TN}) {
+    const char* name = form == Form::NN ? "gemm" : form == Form::NT ? "gemm_nt" : "gemm_tn";
     for (bool accumulate : {false, true}) {
       std::vector<float> C = C0;
-      if (nt) gemm_nt(M, N, K, alpha, A.data(), lda, Bnt.data(), ldb_nt, C.data(), ldc, accumulate);
-      else gemm(M, N, K, alpha, A.data(), lda, Bnn.data(), ldb_nn, C.data(), ldc, accumulate);
+      switch (form) {
+        case Form::NN: gemm(M, N, K, alpha, A.data(), lda, Bnn.data(), ldb_nn, C.data(), ldc, accumulate); break;
+        case Form::NT: gemm_nt(M, N, K, alpha, A.data(), lda, Bnt.data(), ldb_nt, C.data(), ldc, accumulate); break;
+        case Form::TN: gemm_tn(M, N, K, alpha, Atn.data(), lda_tn, Bnn.data(), ldb_nn, C.data(), ldc, accumulate); break;
+      }
       for (int64_t i = 0; i < M; ++i) {
         for (int64_t j = 0; j < N; ++j) {
           double want = 0.0, scale = 0.0;
           for (int64_t k = 0; k < K; ++k) {
-            const double b = nt ? Bnt[j * ldb_nt + k] : Bnn[k * ldb_nn + j];
-            want += static_cast<double>(A[i * lda + k]) * b;
-            scale += std::fabs(A[i * lda + k] * b);
+            const double a = form == Form::TN ? Atn[k * lda_tn + i] : A[i * lda + k];
+            const double b = form == Form::NT ? Bnt[j * ldb_nt + k] : Bnn[k * ldb_nn + j];
+            want += a * b;
+            scale += std::fabs(a * b);
           }
           want = alpha * want + (accumulate ? C0[i * ldc + j] : 0.0);
           ASSERT_NEAR(C[i * ldc + j], want, 1e-6 * (scale + 1.0))
-              << (nt ? "gemm_nt" : "gemm") << (accumulate ? " accumulate" : "") << " at " << i << "," << j;
+              << name << (accumulate ? " accumulate" : "") << " at " << i << "," << j;
         }
         for (int64_t j = N; j < ldc; ++j)  // padding columns untouched
-          ASSERT_EQ(C[i * ldc + j], C0[i * ldc + j]) << "wrote past column " << N;
+          ASSERT_EQ(C[i * ldc + j], C0[i * ldc + j]) << name << " wrote past column " << N;
       }
     }
   }
@@ -65,11 +77,28 @@ TEST_P(TileProduct, MatchesDoubleLoops) {
 INSTANTIATE_TEST_SUITE_P(Shapes, TileProduct,
                          ::testing::Values(Dims{1, 1, 1}, Dims{1, 2048, 64}, Dims{8, 32, 64}, Dims{13, 61, 17},
                                            Dims{64, 256, 64}, Dims{7, 48, 128}, Dims{12, 5, 3}, Dims{64, 64, 256},
-                                           Dims{3, 100, 1}),
+                                           Dims{3, 100, 1}, Dims{130, 300, 64}, Dims{5, 37, 70}, Dims{4, 16, 16}),
                          [](const ::testing::TestParamInfo<Dims>& info) {
                            return "M" + std::to_string(info.param.M) + "_N" + std::to_string(info.param.N) + "_K" +
                                   std::to_string(info.param.K);
                          });
+
+TEST(Transpose, MovesEveryElement) {
+  // Whole 16 x 16 register blocks, right and bottom edges, one-row and one-column sources, and
+  // leading dimensions wider than the data on both sides (the padding must stay untouched).
+  std::mt19937_64 rng(5);
+  for (const auto [rows, cols] : {std::pair<int64_t, int64_t>{16, 16}, {300, 64}, {37, 70}, {1, 33}, {33, 1}, {48, 17}}) {
+    const int64_t ld = cols + 3, dst_ld = rows + 5;
+    const std::vector<float> src = random_floats(rng, rows * ld);
+    std::vector<float> dst(cols * dst_ld, -7.0f);
+    transpose(src.data(), rows, cols, ld, dst.data(), dst_ld);
+    for (int64_t c = 0; c < cols; ++c) {
+      for (int64_t r = 0; r < rows; ++r)
+        ASSERT_EQ(dst[c * dst_ld + r], src[r * ld + c]) << rows << "x" << cols << " at " << r << "," << c;
+      for (int64_t r = rows; r < dst_ld; ++r) ASSERT_EQ(dst[c * dst_ld + r], -7.0f) << "wrote past row " << rows;
+    }
+  }
+}
 
 TEST(SoftmaxRow, MatchesDoubleSoftmax) {
   std::mt19937_64 rng(7);
