@@ -1,6 +1,6 @@
 // CPU forward. Per task (one head, one block of query rows):
 //   scores = scale * Q_blk K^T (tile product) -> mask/causal -> softmax -> dropout -> store P once
-//   (fp32 P: the scores are computed in P's own rows, so nothing is copied)
+//   (the block stays in L2; P is written with streaming stores, see store_row_once)
 //   O_blk = P_blk V (times 1/(1-p) for an explicit dropout mask)
 // Causal blocks compute only the keys their last row can see; the rest of P is stored as zeros.
 #include <algorithm>
@@ -32,16 +32,13 @@ void forward(const core::Problem& p, const ForwardOutputs& out) {
   const float p_scale = p.dropout == core::DropoutMode::Random ? static_cast<float>(p.keep_scale()) : 1.0f;
   char* o_data = static_cast<char*>(out.output.data);
   char* p_data = static_cast<char*>(out.attn_probs.data);
-  // A block's scores are computed where its P goes when P is fp32 with unit column stride
-  // (softmax and dropout then run in place and P is not copied); else in a scratch block.
-  const bool p_in_place = P.dtype == DType::Float32 && P.col_stride == 1;
 
   const int nthreads = threads_for(tasks);
   const int64_t chunk = task_chunk(p.num_lead, blocks_per_head, nthreads);
 #pragma omp parallel num_threads(nthreads)
   {
     HeadPack pack;
-    std::vector<float> q(block * E), scores(p_in_place ? 0 : block * S), o(block * Ev), tmp(S), keep(S);
+    std::vector<float> q(block * E), scores(block * S), o(block * Ev), tmp(S), keep(S);
 #pragma omp for schedule(dynamic, chunk)
     for (int64_t t = 0; t < tasks; ++t) {
       const int64_t lead = t / blocks_per_head, i0 = (t % blocks_per_head) * block;
@@ -54,29 +51,27 @@ void forward(const core::Problem& p, const ForwardOutputs& out) {
       const int64_t cols = ctx.visible(i0 + rows - 1);  // keys any row of the block can see
       const int64_t o_at = core::lead_offset(p, O, lead), p_at = core::lead_offset(p, P, lead),
                     l_at = core::lead_offset(p, LSE, lead);
-      float* sc = p_in_place ? reinterpret_cast<float*>(p_data) + p_at + i0 * P.row_stride : scores.data();
-      const int64_t sc_ld = p_in_place ? P.row_stride : S;
-
-      pack.times_key_t(rows, cols, static_cast<float>(p.scale), q.data(), E, sc, sc_ld);
+      pack.times_key_t(rows, cols, static_cast<float>(p.scale), q.data(), E, scores.data(), S);
 
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = i0 + r;
-        float* row = sc + r * sc_ld;
+        float* row = scores.data() + r * S;
         ctx.mask_scores(i, row, cols, tmp.data());
         const float lse = softmax_row(row, cols);
         if (p.dropout != core::DropoutMode::None) {
           ctx.keep_row(i, keep.data(), cols);
           for (int64_t j = 0; j < cols; ++j) row[j] *= keep[j] * p_scale;
         }
-        if (!p_in_place) store_row(P.dtype, p_data, p_at + i * P.row_stride, P.col_stride, cols, row);
+        store_row_once(P.dtype, p_data, p_at + i * P.row_stride, P.col_stride, cols, row);
         store_zeros(P.dtype, p_data, p_at + i * P.row_stride + cols * P.col_stride, P.col_stride, S - cols);
         const float lse_value[1] = {lse};
         store_row(LSE.dtype, static_cast<char*>(out.logsumexp.data), l_at + i * LSE.row_stride, 1, 1, lse_value);
       }
 
-      gemm(rows, Ev, cols, o_scale, sc, sc_ld, pack.value, pack.value_ld, o.data(), Ev, false);
+      gemm(rows, Ev, cols, o_scale, scores.data(), S, pack.value, pack.value_ld, o.data(), Ev, false);
       for (int64_t r = 0; r < rows; ++r)
         store_row(O.dtype, o_data, o_at + (i0 + r) * O.row_stride, O.col_stride, Ev, o.data() + r * Ev);
+      streaming_stores_done();
     }
   }
 }

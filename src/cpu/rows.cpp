@@ -1,7 +1,7 @@
 #include "rows.h"
 
 #include <omp.h>
-#if defined(__F16C__)
+#if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
@@ -118,6 +118,25 @@ void store_row(DType dtype, char* base, int64_t offset, int64_t stride, int64_t 
     default:
       break;
   }
+}
+
+void store_row_once(DType dtype, char* base, int64_t offset, int64_t stride, int64_t n, const float* in) {
+  if (dtype != DType::Float32 || stride != 1) return store_row(dtype, base, offset, stride, n, in);
+  float* p = reinterpret_cast<float*>(base) + offset;
+  int64_t j = 0;
+  for (; j < n && reinterpret_cast<uintptr_t>(p + j) % 64 != 0; ++j) p[j] = in[j];
+#if defined(__AVX512F__)
+  for (; j + 16 <= n; j += 16) _mm512_stream_ps(p + j, _mm512_loadu_ps(in + j));
+#elif defined(__AVX__)
+  for (; j + 8 <= n; j += 8) _mm256_stream_ps(p + j, _mm256_loadu_ps(in + j));
+#endif
+  for (; j < n; ++j) p[j] = in[j];
+}
+
+void streaming_stores_done() {
+#if defined(__x86_64__)
+  _mm_sfence();
+#endif
 }
 
 void store_zeros(DType dtype, char* base, int64_t offset, int64_t stride, int64_t n) {
