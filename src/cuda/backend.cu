@@ -1,12 +1,16 @@
 // The CUDA backend's host side: the problem as kernels see it, scratch memory from the caller's
-// allocator, the choice between the decode, tensor-core and generic kernels, and the gradients' final
-// conversion from dense fp32/fp64 accumulators to the caller's (strided, any dtype) buffers.
+// allocator, the choice between the decode, tensor-core, fp32 cuBLAS and generic kernels, and
+// the gradients' final conversion from dense fp32/fp64 accumulators to the caller's (strided,
+// any dtype) buffers.
 #include "backend.h"
 
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include "decode.cuh"
 #include "device_problem.cuh"
+#include "gemm_path.cuh"
 #include "generic.cuh"
 #include "launch.cuh"
 #include "tensor_core.cuh"
@@ -84,15 +88,19 @@ class Scratch {
     }
   }
   template <typename T>
-  T* zeros(int64_t n) {
+  T* uninitialized(int64_t n) {
     if (n <= 0) return nullptr;
-    const size_t bytes = sizeof(T) * static_cast<size_t>(n);
     void* ptr = nullptr;
-    if (ex_.allocate) ptr = ex_.allocate(bytes);
-    else check_cuda(cudaMallocAsync(&ptr, bytes, stream_), "allocating CUDA scratch memory");
+    if (ex_.allocate) ptr = ex_.allocate(sizeof(T) * static_cast<size_t>(n));
+    else check_cuda(cudaMallocAsync(&ptr, sizeof(T) * static_cast<size_t>(n), stream_), "allocating CUDA scratch memory");
     blocks_.push_back(ptr);
-    check_cuda(cudaMemsetAsync(ptr, 0, bytes, stream_), "clearing CUDA scratch memory");
     return static_cast<T*>(ptr);
+  }
+  template <typename T>
+  T* zeros(int64_t n) {
+    T* ptr = uninitialized<T>(n);
+    if (ptr) check_cuda(cudaMemsetAsync(ptr, 0, sizeof(T) * static_cast<size_t>(n), stream_), "clearing CUDA scratch memory");
+    return ptr;
   }
 
  private:
@@ -152,6 +160,9 @@ template <typename Acc>
 void backward_with(const core::Problem& p, DevProblem& dp, const BackwardOutputs& out,
                    const CudaExecution& ex, cudaStream_t stream) {
   Scratch scratch(ex, stream);
+  if constexpr (std::is_same_v<Acc, float>) {  // fp32 on cuBLAS where the layout allows
+    if (gemm_backward(p, dp, out, [&](int64_t n) { return scratch.uninitialized<float>(n); }, stream)) return;
+  }
   BackwardBuffers<Acc> g;
   // Accumulators exist (zeroed) for every requested gradient, even when no element adds to it.
   auto buffer_for = [&](const std::optional<TensorView>& v) -> Acc* {
@@ -197,6 +208,7 @@ void forward(const core::Problem& p, const ForwardOutputs& out, const CudaExecut
     return;
   }
   if (tensor_core_forward(dp, stream)) return;
+  if (gemm_forward(dp, stream)) return;
   if (p.dtype == DType::Float64) generic_forward<double>(dp, stream);
   else generic_forward<float>(dp, stream);
 }

@@ -44,9 +44,11 @@ struct DevProblem {
 };
 
 #define SDPA_MATH_D __device__ __forceinline__
+#define SDPA_MATH_HD __host__ __device__ __forceinline__
 
 // The device twin of core::unravel (src/core/validate.cpp): the offset of lead index `lead`.
-SDPA_MATH_D int64_t unravel(const DevProblem& p, const int64_t* strides, int64_t group, int64_t lead) {
+// Host code may call it too (the fp32 path checks its layouts with it), as output_factor.
+SDPA_MATH_HD int64_t unravel(const DevProblem& p, const int64_t* strides, int64_t group, int64_t lead) {
   int64_t off = 0;
   for (int d = p.lead_ndim - 1; d >= 0; --d) {
     int64_t c = lead % p.lead_shape[d];
@@ -56,7 +58,7 @@ SDPA_MATH_D int64_t unravel(const DevProblem& p, const int64_t* strides, int64_t
   }
   return off;
 }
-SDPA_MATH_D int64_t lead_off(const DevProblem& p, const DevOperand& op, int64_t lead) {
+SDPA_MATH_HD int64_t lead_off(const DevProblem& p, const DevOperand& op, int64_t lead) {
   return unravel(p, op.lead, op.head_group, lead);
 }
 SDPA_MATH_D int64_t dense_lead_off(const DevProblem& p, const DevOperand& op, int64_t lead) {
@@ -161,7 +163,7 @@ SDPA_MATH_D Acc returned_prob(const DevProblem& p, Acc a, Acc m) {
   return a * m;
 }
 template <typename Acc>
-SDPA_MATH_D Acc output_factor(const DevProblem& p) {
+SDPA_MATH_HD Acc output_factor(const DevProblem& p) {
   return p.dropout == Dropout::ExplicitMask ? static_cast<Acc>(p.keep_scale) : Acc(1);
 }
 

@@ -50,6 +50,9 @@ def main():
         run(dtype, 1, 2, 2, 9, 13, 20, 12, mask="float")
         run(dtype, 1, 2, 1, 8, 11, 16, 16, causal=True, dropout=0.3)
     run(torch.float32, 1, 2, 1, 1, 300, 64, 64)  # decode path
+    run(torch.float32, 2, 4, 2, 33, 47, 40, 24)                                # cuBLAS path, GQA stacked
+    run(torch.float32, 1, 2, 2, 65, 65, 64, 64, causal=True)                   # cuBLAS path
+    run(torch.float32, 2, 2, 2, 30, 70, 32, 32, mask="bool", dropout=0.2)      # cuBLAS forward
     torch.cuda.synchronize()
     print("sanitize_cases: all calls finished")
 

@@ -2,7 +2,9 @@
 
 Skipped where there is no CUDA device. Every output buffer starts as NaN
 (SDPA_MATH_POISON_OUTPUTS=1), so an element a kernel fails to write fails the comparison.
-fp16/bf16 take the tensor-core kernels (head sizes up to 256), fp32 and float64 the generic path.
+fp16/bf16 take the tensor-core kernels (head sizes up to 256), fp32 the cuBLAS path where its layout
+allows (the generic path for strided, broadcast and transposed cases, and the backward with dropout
+or a mask gradient), float64 the generic path.
 """
 import zlib
 
