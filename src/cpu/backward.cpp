@@ -20,6 +20,7 @@
 #include "gemm.h"
 #include "kernels.h"
 #include "rows.h"
+#include "simd.h"
 
 namespace sdpa_math::cpu {
 namespace {
@@ -264,9 +265,9 @@ void backward(const core::Problem& p, const BackwardArgs& args, const BackwardOu
         const int64_t dq_at = core::dense_lead_offset(p, p.query, lead) + i0 * p.query.dense_row_stride;
         if (q_rows_owned && gq.data) {
           gemm(rows, E, cols, scale, dA.data(), S, pack.key, pack.key_ld, gq.data + dq_at, p.query.dense_row_stride,
-               false);
+               Out::Stream);
         } else {
-          gemm(rows, E, cols, scale, dA.data(), S, pack.key, pack.key_ld, dq_block.data(), E, false);
+          gemm(rows, E, cols, scale, dA.data(), S, pack.key, pack.key_ld, dq_block.data(), E, Out::Set);
           if (q_rows_owned) {
             gq.write_rows(dq_at, p.query.dense_row_stride, dq_block.data(), rows, rows, E);
           } else {
@@ -284,10 +285,12 @@ void backward(const core::Problem& p, const BackwardArgs& args, const BackwardOu
                           int64_t width, float alpha, const float* a, int64_t lda, const float* b) {
         const int64_t at = core::dense_lead_offset(p, op, lead), ld = op.dense_row_stride;
         if (owned && g.data) {
-          gemm_tn(cols, width, rows, alpha, a, lda, b, width, g.data + at, ld, !first_block);
+          // Written once (a head of one block) it bypasses the caches; else later blocks add to it.
+          const Out how = !first_block ? Out::Add : last_block ? Out::Stream : Out::Set;
+          gemm_tn(cols, width, rows, alpha, a, lda, b, width, g.data + at, ld, how);
           if (first_block) g.write_rows(at + cols * ld, ld, nullptr, 0, S - cols, width);
         } else {
-          gemm_tn(cols, width, rows, alpha, a, lda, b, width, acc.data(), width, true);
+          gemm_tn(cols, width, rows, alpha, a, lda, b, width, acc.data(), width, Out::Add);
           if (owned && last_block) g.write_rows(at, ld, acc.data(), S, S, width);
         }
       };
@@ -295,6 +298,7 @@ void backward(const core::Problem& p, const BackwardArgs& args, const BackwardOu
       if (gv.wanted() && has_dO) key_side(gv, v_rows_owned, dv, p.value, Ev, 1.0f, weights, weights_ld, dout.data());
     }
     flush();
+    streaming_fence();  // the outright dK, dV, dQ stores, before the threads join
   }
 
   gq.finish();

@@ -9,6 +9,7 @@
 #include "gemm.h"
 #include "kernels.h"
 #include "rows.h"
+#include "simd.h"
 
 namespace sdpa_math::cpu {
 
@@ -68,10 +69,10 @@ void forward(const core::Problem& p, const ForwardOutputs& out) {
         store_row(LSE.dtype, static_cast<char*>(out.logsumexp.data), l_at + i * LSE.row_stride, 1, 1, lse_value);
       }
 
-      gemm(rows, Ev, cols, o_scale, scores.data(), S, pack.value, pack.value_ld, o.data(), Ev, false);
+      gemm(rows, Ev, cols, o_scale, scores.data(), S, pack.value, pack.value_ld, o.data(), Ev, Out::Set);
       for (int64_t r = 0; r < rows; ++r)
         store_row(O.dtype, o_data, o_at + (i0 + r) * O.row_stride, O.col_stride, Ev, o.data() + r * Ev);
-      streaming_stores_done();
+      streaming_fence();
     }
   }
 }

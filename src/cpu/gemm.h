@@ -7,17 +7,22 @@
 
 namespace sdpa_math::cpu {
 
-void gemm(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda, const float* B, int64_t ldb,
-          float* C, int64_t ldc, bool accumulate);
+// How a product's result reaches C: overwrite it, add to it, or overwrite it with non-temporal
+// stores (a result written once and not read again soon: its cache lines are not read in first;
+// the caller ends with streaming_fence() from simd.h before other threads read it).
+enum class Out { Set, Add, Stream };
 
-// C = alpha * A^T * B (or C += ...): A is K x M row-major, read by columns (dK = dS^T Q and
+void gemm(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda, const float* B, int64_t ldb,
+          float* C, int64_t ldc, Out out);
+
+// C = alpha * A^T * B (Out::Add: C += ...): A is K x M row-major, read by columns (dK = dS^T Q and
 // dV = W^T dO without a transposed copy of dS or W).
 void gemm_tn(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda, const float* B, int64_t ldb,
-             float* C, int64_t ldc, bool accumulate);
+             float* C, int64_t ldc, Out out);
 
-// C = alpha * A * B^T (or C += ...): B is N x K row-major (rows of K or V), read row by row.
+// C = alpha * A * B^T (Out::Add: C += ...): B is N x K row-major (rows of K or V), read row by row.
 void gemm_nt(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda, const float* B, int64_t ldb,
-             float* C, int64_t ldc, bool accumulate);
+             float* C, int64_t ldc, Out out);
 
 // dst (cols x rows, leading dimension dst_ld) = src (rows x cols, leading dimension ld)
 // transposed, 16 x 16 blocks at a time in registers.

@@ -1,7 +1,7 @@
 #include "rows.h"
 
 #include <omp.h>
-#if defined(__x86_64__)
+#if defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -124,19 +124,9 @@ void store_row_once(DType dtype, char* base, int64_t offset, int64_t stride, int
   if (dtype != DType::Float32 || stride != 1) return store_row(dtype, base, offset, stride, n, in);
   float* p = reinterpret_cast<float*>(base) + offset;
   int64_t j = 0;
-  for (; j < n && reinterpret_cast<uintptr_t>(p + j) % 64 != 0; ++j) p[j] = in[j];
-#if defined(__AVX512F__)
-  for (; j + 16 <= n; j += 16) _mm512_stream_ps(p + j, _mm512_loadu_ps(in + j));
-#elif defined(__AVX__)
-  for (; j + 8 <= n; j += 8) _mm256_stream_ps(p + j, _mm256_loadu_ps(in + j));
-#endif
+  for (; j < n && reinterpret_cast<uintptr_t>(p + j) % sizeof(f32x16) != 0; ++j) p[j] = in[j];
+  for (; j + kLanes <= n; j += kLanes) store_streaming(p + j, load(in + j));
   for (; j < n; ++j) p[j] = in[j];
-}
-
-void streaming_stores_done() {
-#if defined(__x86_64__)
-  _mm_sfence();
-#endif
 }
 
 void store_zeros(DType dtype, char* base, int64_t offset, int64_t stride, int64_t n) {
@@ -321,24 +311,24 @@ void HeadPack::pack(const core::Problem& p, int64_t lead, bool transposed) {
 
 void HeadPack::times_key_t(int64_t rows, int64_t cols, float alpha, const float* A, int64_t lda, float* C,
                            int64_t ldc) {
-  if (!use_t) return gemm_nt(rows, cols, E, alpha, A, lda, key, key_ld, C, ldc, false);
+  if (!use_t) return gemm_nt(rows, cols, E, alpha, A, lda, key, key_ld, C, ldc, Out::Set);
   if (!key_t_ready) {
     key_t.resize(S * E);
     transpose(key, S, E, key_ld, key_t.data(), S);
     key_t_ready = true;
   }
-  gemm(rows, cols, E, alpha, A, lda, key_t.data(), S, C, ldc, false);
+  gemm(rows, cols, E, alpha, A, lda, key_t.data(), S, C, ldc, Out::Set);
 }
 
 void HeadPack::times_value_t(int64_t rows, int64_t cols, float alpha, const float* A, int64_t lda, float* C,
                              int64_t ldc) {
-  if (!use_t) return gemm_nt(rows, cols, Ev, alpha, A, lda, value, value_ld, C, ldc, false);
+  if (!use_t) return gemm_nt(rows, cols, Ev, alpha, A, lda, value, value_ld, C, ldc, Out::Set);
   if (!value_t_ready) {
     value_t.resize(S * Ev);
     transpose(value, S, Ev, value_ld, value_t.data(), S);
     value_t_ready = true;
   }
-  gemm(rows, cols, Ev, alpha, A, lda, value_t.data(), S, C, ldc, false);
+  gemm(rows, cols, Ev, alpha, A, lda, value_t.data(), S, C, ldc, Out::Set);
 }
 
 int64_t task_chunk(int64_t heads, int64_t blocks_per_head, int threads) {

@@ -16,9 +16,8 @@ void store_zeros(DType dtype, char* base, int64_t offset, int64_t stride, int64_
 // store_row for a row written once and not read again by this call (P): contiguous fp32 goes
 // out with non-temporal stores (past its first 64-byte boundary), so its cache lines are not
 // read in first: P is larger than the caches on most shapes. A thread that used it calls
-// streaming_stores_done() before its results are read elsewhere.
+// streaming_fence() (simd.h) before its results are read elsewhere.
 void store_row_once(DType dtype, char* base, int64_t offset, int64_t stride, int64_t n, const float* in);
-void streaming_stores_done();
 
 // The per-head state of one query row i: what the mask adds, which columns causal allows.
 struct RowContext {

@@ -6,6 +6,9 @@
 
 #include <cstdint>
 #include <cstring>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace sdpa_math::cpu {
 
@@ -25,6 +28,28 @@ inline V load(const float* p) {
 template <class V>
 inline void store(float* p, V v) { std::memcpy(p, &v, sizeof(V)); }
 inline f32x16 splat(float x) { return f32x16{} + x; }
+
+// A store that bypasses the caches (non-temporal) where the ISA has one for V and p is aligned
+// to V's size, else a plain store: for results written once and not read again soon, whose
+// cache lines would otherwise be read in before being overwritten. Callers end with
+// streaming_fence() before another thread reads what they wrote.
+template <class V>
+inline void store_streaming(float* p, V v) {
+  if (reinterpret_cast<uintptr_t>(p) % sizeof(V) == 0) {
+#if defined(__AVX512F__)
+    if constexpr (sizeof(V) == 64) return _mm512_stream_ps(p, reinterpret_cast<__m512&>(v));
+#endif
+#if defined(__AVX__)
+    if constexpr (sizeof(V) == 32) return _mm256_stream_ps(p, reinterpret_cast<__m256&>(v));
+#endif
+  }
+  store<V>(p, v);
+}
+inline void streaming_fence() {
+#if defined(__x86_64__)
+  _mm_sfence();
+#endif
+}
 
 // Lane t of the result is the sum of the 16 lanes of x[t]. Four rounds of pairwise shuffles and
 // adds: each round halves the lanes per vector and doubles the vectors per lane group, so 15

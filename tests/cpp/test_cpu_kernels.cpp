@@ -2,7 +2,7 @@
 // - the tile products A B, A B^T and A^T B: every register-block and tail path (32/16/8-wide
 //   panels, fewer than 8 columns through the padded panel, 8/4/1-row blocks, fewer than 8 rows of
 //   A B^T as dot products with and without a K tail), leading dimensions wider than the tile,
-//   accumulate;
+//   overwrite, add and streaming stores;
 // - the transpose: 16 x 16 register blocks and the scalar edges;
 // - the vectorised softmax: lengths that are and are not multiples of the 16-lane vectors, -inf
 //   entries, masked rows;
@@ -39,20 +39,26 @@ enum class Form { NN, NT, TN };
 TEST_P(TileProduct, MatchesDoubleLoops) {
   const auto [M, N, K] = GetParam();
   std::mt19937_64 rng(M * 1000003 + N * 1009 + K);
-  // Padded leading dimensions: the kernels must honour them, not assume packed rows.
-  const int64_t lda = K + 3, lda_tn = M + 3, ldb_nn = N + 5, ldb_nt = K + 7, ldc = N + 2;
+  // Padded leading dimensions: the kernels must honour them, not assume packed rows. C's rows are
+  // a multiple of 16 floats apart and start 64-byte aligned, so Out::Stream takes its
+  // non-temporal stores (plain stores elsewhere give the same values).
+  const int64_t lda = K + 3, lda_tn = M + 3, ldb_nn = N + 5, ldb_nt = K + 7, ldc = (N + 2 + 15) / 16 * 16;
   const std::vector<float> A = random_floats(rng, M * lda), Atn = random_floats(rng, K * lda_tn),
                            Bnn = random_floats(rng, K * ldb_nn), Bnt = random_floats(rng, N * ldb_nt),
                            C0 = random_floats(rng, M * ldc);
+  std::vector<float> storage(M * ldc + 16);
+  float* C = storage.data() + (16 - reinterpret_cast<uintptr_t>(storage.data()) / sizeof(float) % 16) % 16;
   const float alpha = 0.75f;
   for (Form form : {Form::NN, Form::NT, Form::TN}) {
     const char* name = form == Form::NN ? "gemm" : form == Form::NT ? "gemm_nt" : "gemm_tn";
-    for (bool accumulate : {false, true}) {
-      std::vector<float> C = C0;
+    for (Out how : {Out::Set, Out::Add, Out::Stream}) {
+      const bool accumulate = how == Out::Add;
+      const char* mode = how == Out::Set ? " set" : how == Out::Add ? " add" : " stream";
+      std::copy(C0.begin(), C0.end(), C);
       switch (form) {
-        case Form::NN: gemm(M, N, K, alpha, A.data(), lda, Bnn.data(), ldb_nn, C.data(), ldc, accumulate); break;
-        case Form::NT: gemm_nt(M, N, K, alpha, A.data(), lda, Bnt.data(), ldb_nt, C.data(), ldc, accumulate); break;
-        case Form::TN: gemm_tn(M, N, K, alpha, Atn.data(), lda_tn, Bnn.data(), ldb_nn, C.data(), ldc, accumulate); break;
+        case Form::NN: gemm(M, N, K, alpha, A.data(), lda, Bnn.data(), ldb_nn, C, ldc, how); break;
+        case Form::NT: gemm_nt(M, N, K, alpha, A.data(), lda, Bnt.data(), ldb_nt, C, ldc, how); break;
+        case Form::TN: gemm_tn(M, N, K, alpha, Atn.data(), lda_tn, Bnn.data(), ldb_nn, C, ldc, how); break;
       }
       for (int64_t i = 0; i < M; ++i) {
         for (int64_t j = 0; j < N; ++j) {
@@ -64,11 +70,10 @@ TEST_P(TileProduct, MatchesDoubleLoops) {
             scale += std::fabs(a * b);
           }
           want = alpha * want + (accumulate ? C0[i * ldc + j] : 0.0);
-          ASSERT_NEAR(C[i * ldc + j], want, 1e-6 * (scale + 1.0))
-              << name << (accumulate ? " accumulate" : "") << " at " << i << "," << j;
+          ASSERT_NEAR(C[i * ldc + j], want, 1e-6 * (scale + 1.0)) << name << mode << " at " << i << "," << j;
         }
         for (int64_t j = N; j < ldc; ++j)  // padding columns untouched
-          ASSERT_EQ(C[i * ldc + j], C0[i * ldc + j]) << name << " wrote past column " << N;
+          ASSERT_EQ(C[i * ldc + j], C0[i * ldc + j]) << name << mode << " wrote past column " << N;
       }
     }
   }
