@@ -309,26 +309,30 @@ void HeadPack::pack(const core::Problem& p, int64_t lead, bool transposed) {
   }
 }
 
+namespace {
+// C = alpha A B^T over B's first `cols` rows (B: n x width, rows ldb apart): gemm_nt on B's rows,
+// or, with `use_t`, the plain product on B^T (width x n), transposed into `b_t` on first use.
+void times_rows_t(int64_t rows, int64_t cols, int64_t width, float alpha, const float* A, int64_t lda,
+                  const float* b, int64_t ldb, int64_t n, bool use_t, std::vector<float>& b_t, bool& b_t_ready,
+                  float* C, int64_t ldc) {
+  if (!use_t) return gemm_nt(rows, cols, width, alpha, A, lda, b, ldb, C, ldc, Out::Set);
+  if (!b_t_ready) {
+    b_t.resize(n * width);
+    transpose(b, n, width, ldb, b_t.data(), n);
+    b_t_ready = true;
+  }
+  gemm(rows, cols, width, alpha, A, lda, b_t.data(), n, C, ldc, Out::Set);
+}
+}  // namespace
+
 void HeadPack::times_key_t(int64_t rows, int64_t cols, float alpha, const float* A, int64_t lda, float* C,
                            int64_t ldc) {
-  if (!use_t) return gemm_nt(rows, cols, E, alpha, A, lda, key, key_ld, C, ldc, Out::Set);
-  if (!key_t_ready) {
-    key_t.resize(S * E);
-    transpose(key, S, E, key_ld, key_t.data(), S);
-    key_t_ready = true;
-  }
-  gemm(rows, cols, E, alpha, A, lda, key_t.data(), S, C, ldc, Out::Set);
+  times_rows_t(rows, cols, E, alpha, A, lda, key, key_ld, S, use_t, key_t, key_t_ready, C, ldc);
 }
 
 void HeadPack::times_value_t(int64_t rows, int64_t cols, float alpha, const float* A, int64_t lda, float* C,
                              int64_t ldc) {
-  if (!use_t) return gemm_nt(rows, cols, Ev, alpha, A, lda, value, value_ld, C, ldc, Out::Set);
-  if (!value_t_ready) {
-    value_t.resize(S * Ev);
-    transpose(value, S, Ev, value_ld, value_t.data(), S);
-    value_t_ready = true;
-  }
-  gemm(rows, cols, Ev, alpha, A, lda, value_t.data(), S, C, ldc, Out::Set);
+  times_rows_t(rows, cols, Ev, alpha, A, lda, value, value_ld, S, use_t, value_t, value_t_ready, C, ldc);
 }
 
 int64_t task_chunk(int64_t heads, int64_t blocks_per_head, int threads) {
