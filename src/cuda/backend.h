@@ -1,5 +1,6 @@
 // The CUDA backend (built when CMake finds a CUDA compiler): fp16/bf16 on tensor cores where the
-// head size allows, everything else on the generic path. Kernels run on the given stream.
+// head size allows (split over keys for up to 4 query rows), fp32 on cuBLAS products where the
+// layout allows, everything else on the generic path. Kernels run on the given stream.
 #pragma once
 
 #include "../core/problem.h"
