@@ -25,9 +25,6 @@
 namespace sdpa_math::cpu {
 namespace {
 
-// fp32 rows with unit column stride: read where they are, without a copy.
-bool in_place(const core::Operand& op) { return op.dtype == DType::Float32 && op.col_stride == 1; }
-
 // dst += src over a (rows x cols) block with the given strides of dst.
 void add_block(float* dst, int64_t row_stride, int64_t col_stride, const float* src, int64_t rows, int64_t cols) {
   for (int64_t r = 0; r < rows; ++r) {
@@ -210,7 +207,7 @@ void backward(const core::Problem& p, const BackwardArgs& args, const BackwardOu
       // recomputed into A. dP's rows likewise, read in place when they can be.
       const float* a_rows = A.data();
       int64_t a_ld = S;
-      if (saved_A && in_place(Psaved)) {
+      if (saved_A && rows_in_place(Psaved)) {
         a_rows = reinterpret_cast<const float*>(Psaved.data) + pa_at + i0 * Psaved.row_stride;
         a_ld = Psaved.row_stride;
       }
@@ -231,7 +228,7 @@ void backward(const core::Problem& p, const BackwardArgs& args, const BackwardOu
           }
         }
         const float* dp_row = dp.data();
-        if (has_dP && in_place(dP)) dp_row = reinterpret_cast<const float*>(dP.data) + dp_at + i * dP.row_stride;
+        if (has_dP && rows_in_place(dP)) dp_row = reinterpret_cast<const float*>(dP.data) + dp_at + i * dP.row_stride;
         else if (has_dP) load_row(dP.dtype, dP.data, dp_at + i * dP.row_stride, dP.col_stride, cols, dp.data());
         else std::fill(dp.begin(), dp.begin() + cols, 0.0f);
         // dA and W per the table of contract §11 (W = A without dropout, c A M with either rule).

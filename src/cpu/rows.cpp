@@ -129,6 +129,8 @@ void store_row_once(DType dtype, char* base, int64_t offset, int64_t stride, int
   for (; j < n; ++j) p[j] = in[j];
 }
 
+bool rows_in_place(const core::Operand& op) { return op.dtype == DType::Float32 && op.col_stride == 1; }
+
 void store_zeros(DType dtype, char* base, int64_t offset, int64_t stride, int64_t n) {
   const size_t size = dtype_size(dtype);
   char* p = base + offset * static_cast<int64_t>(size);
@@ -279,7 +281,7 @@ namespace {
 // unless the block is already fp32 with unit column stride.
 void fp32_rows(const core::Operand& op, int64_t at, int64_t n, int64_t width, std::vector<float>& copy,
                const float*& rows, int64_t& ld) {
-  if (op.dtype == DType::Float32 && op.col_stride == 1) {
+  if (rows_in_place(op)) {
     rows = reinterpret_cast<const float*>(op.data) + at;
     ld = op.row_stride;
     return;

@@ -13,6 +13,9 @@ namespace sdpa_math::cpu {
 void load_row(DType dtype, const char* base, int64_t offset, int64_t stride, int64_t n, float* out);
 void store_row(DType dtype, char* base, int64_t offset, int64_t stride, int64_t n, const float* in);
 void store_zeros(DType dtype, char* base, int64_t offset, int64_t stride, int64_t n);
+// An operand whose rows the kernels read where they are, without a converted copy: fp32 with
+// unit column stride.
+bool rows_in_place(const core::Operand& op);
 // store_row for a row written once and not read again by this call (P): contiguous fp32 goes
 // out with non-temporal stores (past its first 64-byte boundary), so its cache lines are not
 // read in first: P is larger than the caches on most shapes. A thread that used it calls
