@@ -1,7 +1,7 @@
 """Side-by-side benchmark of attention that returns P, and the performance gate.
 
     python -m sdpa_math.bench run  [--device cpu|cuda] [--set NAME] [--dtypes ...] [--out DIR]
-    python -m sdpa_math.bench gate RUN.json BASELINE.json [--threshold F]
+    python -m sdpa_math.bench gate RUN.json BASELINE.json [--threshold F] [--subset]
 
 `run` times, in one process and on one device, forward (O, P) and forward+backward through both
 outputs (random dO and dP) of:
@@ -19,9 +19,16 @@ each shape's roofline floor and the fraction of it reached, the peak extra devic
 relative error of O and P against a float64 reference, and writes bench.json (every raw number,
 the machine and software), bench.md (tables) and, for a sweep, speedup.png.
 
+Sets (`--set`): the GPU anchors, the CPU set, CI's set, a sweep of lengths, and the input
+variants real models pass (`variants`: a (B, 1, L, S) float mask, a (B, 1, 1, S) key-padding
+bool mask, q/k/v as transposed views of (B, L, H, E); rows named `<base>_fmask`, `<base>_kpad`,
+`<base>_blhe`), alone with their base row or appended to the anchors (`anchors+variants`) or the
+CPU set (`cpu+variants`).
+
 `gate` compares a run with a committed baseline of the same device profile and prints
-`FAIL n · WARN n`: it judges same-run ratios only (ours against native, ours against the floor),
-never absolute times across runs.
+`FAIL n · WARN n` (and `NEW n` for rows the baseline lacks, which it does not judge): it judges
+same-run ratios only (ours against native, ours against the floor), never absolute times across
+runs.
 """
 from __future__ import annotations
 
@@ -58,9 +65,20 @@ class Shape:
     S: int
     D: int
     causal: bool = False
+    variant: str = ""  # "" (contiguous, no mask) or a key of VARIANTS
 
     def p_elems(self):
         return self.B * self.Hq * self.L * self.S
+
+    def base_name(self):
+        """The row this one varies: the same shape with contiguous inputs and no mask."""
+        return self.name[: -len(self.variant) - 1] if self.variant else self.name
+
+    def padded_keys(self):
+        """Masked rows: how many keys at the end of each batch's key sequence are padding. Batch
+        b pads b·S/(2B) of them (batch 0 none, the last almost half), so no row is fully masked
+        and the batches differ, as in a padded batch of prompts of different lengths."""
+        return [b * self.S // (2 * self.B) for b in range(self.B)]
 
 
 # The seven anchor shapes of shared/docs/design.md (GPU).
@@ -90,6 +108,34 @@ CI_SET = [
 ]
 
 
+# The inputs real models pass (Hugging Face attention modules), as variants of one shape. Each
+# row gets the base shape's name with the variant's as a suffix; every implementation gets the
+# same tensors.
+VARIANTS = {
+    "fmask": "float additive mask (B, 1, L, S) in the inputs' dtype: 0, or finfo(dtype).min on padded keys",
+    "kpad": "key-padding bool mask (B, 1, 1, S), True = attend",
+    "blhe": "q, k, v as .transpose(1, 2) views of contiguous (B, L, H, E) tensors",
+}
+
+
+def variants_of(base: Shape):
+    return [dataclasses.replace(base, name=f"{base.name}_{v}", variant=v) for v in VARIANTS]
+
+
+def _shape(shapes, name):
+    return next(s for s in shapes if s.name == name)
+
+
+def variant_base(device):
+    """The shape the variant rows vary: prefill1k_d128 on the GPU, cpu_512_d64 on the CPU."""
+    return _shape(ANCHORS, "prefill1k_d128") if device == "cuda" else _shape(CPU_SET, "cpu_512_d64")
+
+
+def variants(device):
+    """The variant rows with their base row, the time they are compared with."""
+    return [variant_base(device)] + variants_of(variant_base(device))
+
+
 def sweep(device):
     lengths = [256, 512, 1024, 2048, 4096] if device == "cuda" else [64, 128, 256, 512, 1024]
     heads = 16 if device == "cuda" else 4
@@ -97,10 +143,13 @@ def sweep(device):
 
 
 SETS = {"anchors": lambda d: ANCHORS, "cpu": lambda d: CPU_SET, "ci": lambda d: CI_SET, "sweep": sweep,
-        "anchors+sweep": lambda d: ANCHORS + sweep(d), "cpu+sweep": lambda d: CPU_SET + sweep(d)}
+        "anchors+sweep": lambda d: ANCHORS + sweep(d), "cpu+sweep": lambda d: CPU_SET + sweep(d),
+        "variants": variants,
+        "anchors+variants": lambda d: ANCHORS + variants_of(variant_base("cuda")),
+        "cpu+variants": lambda d: CPU_SET + variants_of(variant_base("cpu"))}
 
 # ---------------------------------------------------------------------------------------------
-# Implementations: each maps (q, k, v, shape) to (O, P) or O alone (flash).
+# Implementations: each maps (q, k, v, shape, scale, mask) to (O, P) or O alone (flash).
 
 
 def _repeat_kv(x, n):
@@ -112,31 +161,65 @@ def _causal_hidden(q, k):
     return torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
 
 
-def eager_attention(q, k, v, causal, scale):
-    """Attention as Hugging Face's eager path writes it: fp32 softmax, cast back, then P V."""
+def additive_mask(mask, dtype):
+    """A bool mask as the float mask F.scaled_dot_product_attention hands to its math and
+    efficient backends (0 where True, -inf where False); a float mask or None unchanged. The aten
+    math op called directly would add a bool mask's 0/1 to the scores instead."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+
+
+def _apply_mask(scores, mask):
+    if mask is None:
+        return scores
+    return scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+
+
+def eager_attention(q, k, v, causal, scale, mask=None):
+    """Attention as Hugging Face's eager path writes it: scores plus the mask, fp32 softmax,
+    cast back, then P V."""
     g = q.shape[1] // k.shape[1]
     k, v = _repeat_kv(k, g), _repeat_kv(v, g)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = _apply_mask(torch.matmul(q, k.transpose(-1, -2)) * scale, mask)
     if causal:
         scores = scores.masked_fill(_causal_hidden(q, k), float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, v), probs
 
 
-def _lse_then_probs(q, k, v, causal, scale):
+def _lse_then_probs(q, k, v, causal, scale, mask=None):
     g = q.shape[1] // k.shape[1]
+    bias = additive_mask(mask, q.dtype)
     if q.is_cuda:
-        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, _repeat_kv(k, g), _repeat_kv(v, g), None,
+        # As F.scaled_dot_product_attention passes a mask to the efficient kernel: expanded to
+        # (B, H, L, S) (a view).
+        eb = None if bias is None else bias.expand(q.shape[0], q.shape[1], q.shape[-2], k.shape[-2])
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, _repeat_kv(k, g), _repeat_kv(v, g), eb,
                                                                           True, 0.0, causal, scale=scale)[:2]
     else:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, _repeat_kv(k, g), _repeat_kv(v, g),
-                                                                              0.0, causal, scale=scale)
+                                                                              0.0, causal, attn_mask=bias, scale=scale)
     scores = torch.matmul(q, _repeat_kv(k, g).transpose(-1, -2)).float() * scale
+    if bias is not None:
+        scores = scores + bias.float()
     if causal:
         scores = scores.masked_fill(_causal_hidden(q, k), float("-inf"))
     # The fused kernels may pad lse's rows (to a multiple of 32 on CUDA).
     probs = torch.exp(scores - lse[..., : q.shape[-2]].float().unsqueeze(-1)).to(q.dtype)
     return out, probs
+
+
+def _fused_sdpa(q, k, v, causal, scale, gqa, mask):
+    """PyTorch's fused SDPA without P. With a mask FlashAttention does not apply, so on CUDA this
+    is the memory-efficient kernel; it is held to the fused backends (never the math op) so that
+    the column always means a fused kernel."""
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                              enable_gqa=gqa)
 
 
 class Impls:
@@ -154,30 +237,34 @@ class Impls:
             names.append("native16")
         return names + ["eager", "compiled", "lse", "flash"]
 
-    def call(self, name, q, k, v, s: Shape, scale):
+    def call(self, name, q, k, v, s: Shape, scale, mask=None):
+        """Every implementation gets the same q, k, v (any layout) and mask. The aten op's
+        callers (override, native, native16) get a bool mask as F.scaled_dot_product_attention
+        would pass it on (`additive_mask`, converted inside the timed call); the others take it
+        as it is."""
         gqa = s.Hq != s.Hkv
         if name == "ours":
-            return sdpa_math.attention(q, k, v, is_causal=s.causal, scale=scale, enable_gqa=gqa)
+            return sdpa_math.attention(q, k, v, attn_mask=mask, is_causal=s.causal, scale=scale, enable_gqa=gqa)
         if name == "override":
             with sdpa_math.override():
-                return aten_math(q, k, v, None, 0.0, s.causal, scale=scale, enable_gqa=gqa)
+                return aten_math(q, k, v, additive_mask(mask, q.dtype), 0.0, s.causal, scale=scale, enable_gqa=gqa)
         if name == "native":
-            return aten_math(q, k, v, None, 0.0, s.causal, scale=scale, enable_gqa=gqa)
+            return aten_math(q, k, v, additive_mask(mask, q.dtype), 0.0, s.causal, scale=scale, enable_gqa=gqa)
         if name == "native16":
             prev = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
             torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
             try:
-                return aten_math(q, k, v, None, 0.0, s.causal, scale=scale, enable_gqa=gqa)
+                return aten_math(q, k, v, additive_mask(mask, q.dtype), 0.0, s.causal, scale=scale, enable_gqa=gqa)
             finally:
                 torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(prev)
         if name == "eager":
-            return eager_attention(q, k, v, s.causal, scale)
+            return eager_attention(q, k, v, s.causal, scale, mask)
         if name == "compiled":
-            return self._compiled(q, k, v, s.causal, scale)
+            return self._compiled(q, k, v, s.causal, scale, mask)
         if name == "lse":
-            return _lse_then_probs(q, k, v, s.causal, scale)
+            return _lse_then_probs(q, k, v, s.causal, scale, mask)
         if name == "flash":
-            return F.scaled_dot_product_attention(q, k, v, is_causal=s.causal, scale=scale, enable_gqa=gqa)
+            return _fused_sdpa(q, k, v, s.causal, scale, gqa, mask)
         raise KeyError(name)
 
 
@@ -276,14 +363,25 @@ def ceilings(device):
 def floor_ms(s: Shape, dtype, ceil):
     """Roofline floor of a forward returning (O, P): the larger of the products' time at the
     measured matrix rate and the time to move Q, K, V, O and P at the measured copy bandwidth.
-    Causal L = S halves the products. Forward+backward: three times the forward (twice the
+    Causal L = S halves the products. A mask adds its own bytes, read once (a (B, 1, L, S) float
+    mask: P's size over the heads). Forward+backward: three times the forward (twice the
     products again, and P, dP read back)."""
     es = torch.finfo(dtype).bits // 8
     f = 0.5 if (s.causal and s.L == s.S) else 1.0
     flops = 4 * s.B * s.Hq * s.L * s.S * s.D * f
-    bytes_ = es * (s.B * s.Hq * s.L * s.D * 2 + s.B * s.Hkv * s.S * s.D * 2 + s.p_elems())
+    mask_bytes = {"fmask": es * s.B * s.L * s.S, "kpad": s.B * s.S}.get(s.variant, 0)
+    bytes_ = es * (s.B * s.Hq * s.L * s.D * 2 + s.B * s.Hkv * s.S * s.D * 2 + s.p_elems()) + mask_bytes
     fwd = max(flops / ceil["mm_flops"], bytes_ / ceil["copy_Bps"]) * 1e3
     return {"fwd_ms": fwd, "fwdbwd_ms": 3 * fwd, "fwd_flops": flops, "bytes": bytes_}
+
+
+def output_bytes(s: Shape, dtype):
+    """Bytes of a forward's outputs: P and O in the inputs' dtype, lse in fp32; and the memory
+    target of issue 12 for a forward's extra device memory, 1.1 x (P + O + lse) + 64 MiB."""
+    es = torch.finfo(dtype).bits // 8
+    b = {"P": es * s.p_elems(), "O": es * s.B * s.Hq * s.L * s.D, "lse": 4 * s.B * s.Hq * s.L}
+    b["target"] = int(1.1 * (b["P"] + b["O"] + b["lse"])) + 64 * 2**20
+    return b
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,33 +393,54 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
-def _inputs(s: Shape, dtype, device, seed=0):
+def make_inputs(s: Shape, dtype, device, seed=0):
+    """q, k, v (B, H, n, E) and the mask (None unless the variant has one) of a row. "blhe":
+    q, k, v drawn as contiguous (B, n, H, E) and viewed as (B, H, n, E), the layout Hugging Face
+    attention modules pass. "fmask": a materialised (B, 1, L, S) float mask in the inputs' dtype,
+    0 or finfo(dtype).min (Hugging Face's padding mask for eager and SDPA). "kpad": a (B, 1, 1, S)
+    bool mask, True = attend. The masks hide the last `s.padded_keys()[b]` keys of batch b."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    mk = lambda h, n: torch.randn(s.B, h, n, s.D, generator=gen, device=device, dtype=dtype)  # noqa: E731
-    return mk(s.Hq, s.L), mk(s.Hkv, s.S), mk(s.Hkv, s.S)
+    if s.variant == "blhe":
+        mk = lambda h, n: torch.randn(s.B, n, h, s.D, generator=gen, device=device,  # noqa: E731
+                                      dtype=dtype).transpose(1, 2)
+    else:
+        mk = lambda h, n: torch.randn(s.B, h, n, s.D, generator=gen, device=device, dtype=dtype)  # noqa: E731
+    q, k, v = mk(s.Hq, s.L), mk(s.Hkv, s.S), mk(s.Hkv, s.S)
+    mask = None
+    if s.variant in ("fmask", "kpad"):
+        valid = s.S - torch.tensor(s.padded_keys(), device=device)
+        attend = torch.arange(s.S, device=device) < valid.unsqueeze(-1)  # (B, S)
+        if s.variant == "kpad":
+            mask = attend[:, None, None, :].contiguous()
+        else:
+            mask = torch.zeros(s.B, 1, s.L, s.S, dtype=dtype, device=device)
+            mask.masked_fill_(~attend[:, None, None, :], torch.finfo(dtype).min)
+    return q, k, v, mask
 
 
 def run_row(impls: Impls, s: Shape, dtype, device, ceil, reps, with_backward=True):
-    q, k, v = _inputs(s, dtype, device)
+    q, k, v, mask = make_inputs(s, dtype, device)
     scale = 1.0 / math.sqrt(s.D)
     row = {"shape": s.name, "dtype": str(dtype).split(".")[-1], **dataclasses.asdict(s),
-           "floor": floor_ms(s, dtype, ceil), "impls": {}}
-    ref_out, ref_probs = aten_math(q.double(), k.double(), v.double(), None, 0.0, s.causal, scale=scale,
+           "variant_of": s.base_name() if s.variant else None, "inputs": VARIANTS.get(s.variant, "contiguous, no mask"),
+           "floor": floor_ms(s, dtype, ceil), "output_bytes": output_bytes(s, dtype), "impls": {}}
+    ref_mask = None if mask is None else additive_mask(mask, torch.float64).double()
+    ref_out, ref_probs = aten_math(q.double(), k.double(), v.double(), ref_mask, 0.0, s.causal, scale=scale,
                                    enable_gqa=s.Hq != s.Hkv)
     gen = torch.Generator(device=device).manual_seed(1)
     g_out = torch.randn(ref_out.shape, generator=gen, device=device, dtype=dtype)
     g_probs = torch.randn(ref_probs.shape, generator=gen, device=device, dtype=dtype)
-    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]  # the same layout as q, k, v
 
     def make_fwd(name):
         def fwd():
             with torch.no_grad():
-                return impls.call(name, q, k, v, s, scale)
+                return impls.call(name, q, k, v, s, scale, mask)
         return fwd
 
     def make_fwdbwd(name):
         def fwdbwd():
-            res = impls.call(name, *leaves, s, scale)
+            res = impls.call(name, *leaves, s, scale, mask)
             if name == "flash":
                 return torch.autograd.grad(res, leaves, g_out)
             return torch.autograd.grad(res, leaves, (g_out, g_probs))
@@ -334,7 +453,7 @@ def run_row(impls: Impls, s: Shape, dtype, device, ceil, reps, with_backward=Tru
         try:
             before = sdpa_math.interceptions()
             with torch.no_grad():
-                res = impls.call(name, q, k, v, s, scale)
+                res = impls.call(name, q, k, v, s, scale, mask)
             if name == "override":
                 r["override_took_call"] = sdpa_math.interceptions() == before + 1
             out, probs = (res, None) if name == "flash" else res
@@ -431,24 +550,57 @@ def markdown(run):
             lines.append(f"| {row['shape']} | {row['dtype']} | {row['floor'][phase]:.3f} | " + " | ".join(cells)
                          + f" | {ours[phase] / row['floor'][phase]:.2f} |")
         lines.append("")
+    lines += variants_markdown(run)
     lines += ["## Error against float64 (relative Frobenius) and peak extra memory of a forward", "",
-              "| shape | dtype | impl | err O | err P | extra MB | extra / (P+O) |", "|---|---|---|---|---|---|---|"]
+              "Extra memory: the peak of torch.cuda.max_memory_allocated during one forward above what was "
+              "allocated before it (the inputs), outputs included; target 1.1 x (P + O + lse) + 64 MiB.", "",
+              "| shape | dtype | impl | err O | err P | extra MB | extra / (P+O+lse) | within target |",
+              "|---|---|---|---|---|---|---|---|"]
     for row in run["rows"]:
-        es = torch.finfo(getattr(torch, row["dtype"])).bits // 8
-        po = es * (row["B"] * row["Hq"] * row["L"] * (row["S"] + row["D"]))
+        ob = row.get("output_bytes") or output_bytes(Shape(row["shape"], row["B"], row["Hq"], row["Hkv"], row["L"],
+                                                           row["S"], row["D"]), getattr(torch, row["dtype"]))
+        polse = ob["P"] + ob["O"] + ob["lse"]
         for n, r in row["impls"].items():
             if "rel_err_o" not in r:
                 continue
             ep = "–" if r["rel_err_p"] is None else f"{r['rel_err_p']:.2e}"
             mem = r.get("peak_extra_bytes")
+            cells = ["–"] * 3 if mem is None else [f"{mem / 2**20:.1f}", f"{mem / polse:.2f}",
+                                                   "yes" if mem <= ob["target"] else "**no**"]
             lines.append(f"| {row['shape']} | {row['dtype']} | {n} | {r['rel_err_o']:.2e} | {ep} | "
-                         + ("–" if mem is None else f"{mem / 2**20:.1f}") + " | "
-                         + ("–" if mem is None else f"{mem / po:.2f}") + " |")
+                         + " | ".join(cells) + " |")
     errors = [(row["shape"], row["dtype"], n, r["error"]) for row in run["rows"] for n, r in row["impls"].items()
               if "error" in r]
     if errors:
         lines += ["", "## Alternatives that failed to run", ""] + [f"- {a} {b} {n}: {e}" for a, b, n, e in errors]
     return "\n".join(lines) + "\n"
+
+
+# Issue 12's targets for the variant rows, ours against ours on the base row: masks within 1.25x
+# of the unmasked time, transposed views within 1.1x of contiguous.
+VARIANT_TARGET = {"fmask": 1.25, "kpad": 1.25, "blhe": 1.1}
+
+
+def variants_markdown(run):
+    """Ours on each variant row against ours on its base row of the same run and dtype."""
+    by_key = {(r["shape"], r["dtype"]): r for r in run["rows"]}
+    out = []
+    for row in run["rows"]:
+        base = by_key.get((row.get("variant_of"), row["dtype"])) if row.get("variant_of") else None
+        if base is None:
+            continue
+        cells = []
+        for phase in ("fwd_ms", "fwdbwd_ms"):
+            a, b = row["impls"].get("ours", {}).get(phase), base["impls"].get("ours", {}).get(phase)
+            cells += ["–"] * 3 if a is None or b is None else [f"{a:.3f}", f"{b:.3f}", f"{a / b:.2f}"]
+        out.append(f"| {row['shape']} | {row['dtype']} | {row['variant_of']} | " + " | ".join(cells)
+                   + f" | {VARIANT_TARGET.get(row.get('variant'), float('nan')):.2f} |")
+    if not out:
+        return []
+    legend = [f"- `_{v}`: {d}" for v, d in VARIANTS.items()]
+    return ["## Input variants: ours against ours on the base row (same run, same dtype)", ""] + legend + [
+            "", "| row | dtype | base | fwd ms | base fwd ms | fwd / base | f+b ms | base f+b ms | f+b / base "
+            "| fwd target |", "|---|---|---|---|---|---|---|---|---|---|"] + out + [""]
 
 
 def plot(run, path):
@@ -483,12 +635,32 @@ def plot(run, path):
 # The gate
 
 
-def gate(run, baseline, threshold, current_hash=None):
+def new_rows(run, baseline):
+    """(shape, dtype) of the run's rows that the baseline does not have: reported as new, with no
+    ratio to judge (an older baseline predates them)."""
+    have = {(b["shape"], b["dtype"]) for b in baseline["rows"]}
+    return [(r["shape"], r["dtype"]) for r in run["rows"] if (r["shape"], r["dtype"]) not in have]
+
+
+def gate(run, baseline, threshold, current_hash=None, subset=False):
     """Returns (fails, warns), lists of reasons. A row of the baseline missing from the run, a
     run that measured other code than the tree's, an override that did not take its call, or an
     error in ours is a FAIL; a same-run ratio (ours vs native, ours vs the floor) below the
-    baseline's by more than `threshold` is a FAIL, by more than half of it a WARN."""
+    baseline's by more than `threshold` is a FAIL, by more than half of it a WARN. Rows of the run
+    that the baseline lacks (`new_rows`) have no ratios to judge; an error in ours or an override
+    that did not take its call there still FAILs, as neither needs a baseline. With `subset`, a
+    baseline row missing from the run is not judged (a run of some of the baseline's sets)."""
     fails, warns = [], []
+    by_base = {(b["shape"], b["dtype"]) for b in baseline["rows"]}
+    for r in run["rows"]:
+        key = (r["shape"], r["dtype"])
+        if key in by_base:
+            continue
+        ours, ov = r["impls"].get("ours", {}), r["impls"].get("override", {})
+        if "error" in ours:
+            fails.append(f"{key} (new): ours failed: {ours['error']}")
+        elif ov and "error" not in ov and not ov.get("override_took_call", False):
+            fails.append(f"{key} (new): the override did not take the aten call (fell back to native)")
     if run["info"].get("device") != baseline["info"].get("device"):
         fails.append(f"device profile {run['info'].get('device')} is not the baseline's {baseline['info'].get('device')}")
     if current_hash is not None and run["info"].get("code_hash") != current_hash:
@@ -498,7 +670,8 @@ def gate(run, baseline, threshold, current_hash=None):
         key = (b["shape"], b["dtype"])
         r = by_key.get(key)
         if r is None:
-            fails.append(f"{key}: missing from the run")
+            if not subset:
+                fails.append(f"{key}: missing from the run")
             continue
         ours = r["impls"].get("ours", {})
         if "error" in ours:
@@ -552,12 +725,15 @@ def _cmd_run(a):
 def _cmd_gate(a):
     run = json.loads(pathlib.Path(a.run).read_text())
     baseline = json.loads(pathlib.Path(a.baseline).read_text())
-    fails, warns = gate(run, baseline, a.threshold, None if a.no_hash_check else code_hash())
+    fails, warns = gate(run, baseline, a.threshold, None if a.no_hash_check else code_hash(), subset=a.subset)
+    new = new_rows(run, baseline)
     for f in fails:
         print("FAIL", f)
     for w in warns:
         print("WARN", w)
-    print(f"FAIL {len(fails)} · WARN {len(warns)}")
+    for key in new:
+        print("NEW ", f"{key}: new, no baseline (ratios not judged)")
+    print(f"FAIL {len(fails)} · WARN {len(warns)}" + (f" · NEW {len(new)}" if new else ""))
     return 1 if fails else 0
 
 
@@ -577,6 +753,9 @@ def main(argv=None):
     g.add_argument("--threshold", type=float, default=0.35,
                    help="allowed drop of a same-run ratio below the baseline's (CPU noise is ~20%%)")
     g.add_argument("--no-hash-check", action="store_true", help="do not require the run to match this tree")
+    g.add_argument("--subset", action="store_true",
+                   help="judge only the baseline's rows the run has (e.g. an anchors+variants run against an "
+                        "anchors+sweep baseline); without it a baseline row missing from the run FAILs")
     a = ap.parse_args(argv)
     if a.cmd == "run":
         _cmd_run(a)

@@ -52,3 +52,33 @@ def test_a_ratio_the_baseline_has_but_the_run_lacks_fails():
     del run["rows"][0]["speedup"]["fwd_ms"]["floor"]
     fails, _ = gate(run, _run(), 0.3)
     assert fails == ["('s1', 'float32') fwd_ms vs floor: not measured"]
+
+
+def test_a_row_the_baseline_lacks_is_new_not_a_failure():
+    from sdpa_math.bench import new_rows
+    run = _run()
+    extra = copy.deepcopy(run["rows"][0])
+    extra["shape"] = "s1_fmask"
+    extra["speedup"]["fwd_ms"]["native"] = 0.01  # no baseline to judge it against
+    run["rows"].append(extra)
+    assert gate(run, _run(), 0.3) == ([], [])
+    assert new_rows(run, _run()) == [("s1_fmask", "float32")]
+
+
+def test_a_new_row_still_fails_on_an_error_in_ours():
+    run = _run()
+    extra = copy.deepcopy(run["rows"][0])
+    extra["shape"] = "s1_kpad"
+    extra["impls"]["ours"] = {"error": "RuntimeError: boom"}
+    run["rows"].append(extra)
+    fails, _ = gate(run, _run(), 0.3)
+    assert fails == ["('s1_kpad', 'float32') (new): ours failed: RuntimeError: boom"]
+
+
+def test_subset_judges_only_the_rows_the_run_has():
+    baseline = _run()
+    other = copy.deepcopy(baseline["rows"][0])
+    other["shape"] = "s2"
+    baseline["rows"].append(other)
+    assert gate(_run(), baseline, 0.3) == (["('s2', 'float32'): missing from the run"], [])
+    assert gate(_run(), baseline, 0.3, subset=True) == ([], [])
