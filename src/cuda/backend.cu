@@ -14,6 +14,9 @@
 #include "generic.cuh"
 #include "launch.cuh"
 #include "tensor_core.cuh"
+#ifdef SDPA_MATH_WITH_SM90
+#include "sm90/sm90.cuh"
+#endif
 
 namespace sdpa_math::cuda {
 namespace {
@@ -200,14 +203,18 @@ void forward(const core::Problem& p, const ForwardOutputs& out, const CudaExecut
   dp.probs = output_to_device(p, out.attn_probs, true);
   dp.lse = output_to_device(p, out.logsumexp, false);
   if (p.num_lead * p.L == 0) return;
-  if (decode_applies(dp)) {
+  // The paths in order of preference; the first that takes the problem runs it.
+  if (decode_applies(dp)) {  // up to 4 query rows: split over keys
     Scratch scratch(ex, stream);
     float* stats = scratch.zeros<float>(decode_stats_floats(dp));
     float* out_acc = scratch.zeros<float>(p.num_lead * p.L * p.Ev);
     decode_forward(dp, stats, out_acc, stream);
     return;
   }
-  if (tensor_core_forward(dp, stream)) return;
+#ifdef SDPA_MATH_WITH_SM90
+  if (sm90::forward_applies(dp) && sm90::forward(dp, stream)) return;  // Hopper: wgmma + TMA
+#endif
+  if (tensor_core_forward(dp, stream)) return;  // fp16/bf16 on mma.sync (sm_80+)
   if (gemm_forward(dp, stream)) return;
   if (p.dtype == DType::Float64) generic_forward<double>(dp, stream);
   else generic_forward<float>(dp, stream);

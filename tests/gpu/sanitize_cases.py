@@ -10,10 +10,13 @@ import torch
 import sdpa_math
 
 
-def run(dtype, B, Hq, Hkv, L, S, E, Ev, causal=False, mask=None, dropout=0.0, transposed=False):
+def run(dtype, B, Hq, Hkv, L, S, E, Ev, causal=False, mask=None, dropout=0.0, transposed=False, blhe=False):
     gen = torch.Generator(device="cuda").manual_seed(L * 1000 + S)
 
     def t(*shape):
+        if blhe:  # (B, L, H, E) storage viewed as (B, H, L, E), as Hugging Face modules pass it
+            b, h, n, e = shape
+            return torch.randn(b, n, h, e, device="cuda", dtype=dtype, generator=gen).transpose(1, 2).requires_grad_(True)
         if transposed:
             x = torch.randn(*shape[:-2], shape[-1], shape[-2], device="cuda", dtype=dtype, generator=gen)
             return x.transpose(-1, -2).requires_grad_(True)
@@ -37,7 +40,9 @@ def run(dtype, B, Hq, Hkv, L, S, E, Ev, causal=False, mask=None, dropout=0.0, tr
 
 def main():
     for dtype in (torch.float16, torch.bfloat16):
-        run(dtype, 1, 2, 2, 70, 133, 64, 64)
+        run(dtype, 1, 2, 2, 70, 133, 64, 64)                               # sm90 on Hopper
+        run(dtype, 2, 4, 2, 130, 200, 80, 80, blhe=True, causal=True)      # sm90: views, GQA, causal
+        run(dtype, 2, 2, 2, 129, 140, 128, 96, mask="bool", blhe=True)     # sm90: bool mask, Ev != E
         run(dtype, 1, 2, 2, 65, 65, 128, 128, causal=True)
         run(dtype, 2, 4, 2, 33, 47, 96, 96, mask="float")
         run(dtype, 1, 2, 2, 17, 90, 256, 256, mask="bool", dropout=0.2)

@@ -1,0 +1,595 @@
+// The Hopper forward (fp16/bf16): per CTA 128 query rows of one head, one producer warpgroup
+// and two consumer warpgroups of 64 rows each.
+//
+// The producer's one thread brings Q once and then the key tiles of both passes through the TMA
+// unit into a ring of shared-memory stages (K alone in pass 1, K and V in pass 2), each stage
+// completing on its `full` mbarrier and handed back on its `empty` one. The consumers run the two
+// passes of the design: pass 1 forms S = Q Kᵀ with wgmma (both operands in shared memory) and
+// keeps each row's running max and sum; pass 2 forms S again, writes P = exp(s - m) / l once from
+// registers, and accumulates O += u V with wgmma taking u = exp(s - m) as its A operand from
+// registers (O is divided by l at the end). Scores are in base-2 units (one multiply-add and one
+// ex2 per element). The row maximum propagates NaN (max.NaN), so a NaN score gives a NaN row of
+// P and O and a NaN lse, as the math op does.
+//
+// Registers: the producer gives its share back (setmaxnreg), the consumers take 232 each: S is 64
+// fp32 per thread, O up to 64, u as A fragments 32.
+#include <cudaTypedefs.h>
+
+#include <algorithm>
+#include <cstdlib>
+
+#include "../launch.cuh"
+#include "../mma.cuh"
+#include "hopper.cuh"
+#include "sm90.cuh"
+
+namespace sdpa_math::cuda::sm90 {
+namespace {
+
+constexpr int kBM = 128;              // query rows per CTA
+constexpr int kBN = 128;              // keys per tile
+constexpr int kThreads = 384;         // producer warpgroup + two consumer warpgroups
+constexpr int kConsumerWarps = 8;
+constexpr int kProducerRegs = 40;
+constexpr int kConsumerRegs = 232;    // 128 * 40 + 256 * 232 <= 65536
+
+// Shared memory: Q; a ring of K tiles (both passes) and one of V tiles (pass 2), each stage with a
+// `full` and an `empty` mbarrier; each consumer warpgroup's 64 x kBN tile of P on its way out.
+template <int D>
+struct Tiles {
+  static constexpr int kBlocks = D / 64;  // 128-byte column blocks across the head
+  static constexpr int kKStages = D == 64 ? 4 : 3;
+  static constexpr int kVStages = 2;
+  static constexpr int kQBytes = kBM * D * 2;
+  static constexpr int kKVBytes = kBN * D * 2;  // one K or V tile
+  static constexpr int kPBytes = 64 * kBN * 2;  // one warpgroup's P tile
+  static constexpr int kBarriers = 2 * kKStages + 2 * kVStages + 1;
+  static constexpr size_t kSmem = 1024 + kQBytes + (kKStages + kVStages) * kKVBytes + 2 * kPBytes + 8 * kBarriers;
+};
+
+// How the producer turns a lead index into a tensor map's coordinates on dims 2..4: coordinate k
+// is (lead / div[k]) % mod[k] / group[k] (the output lead dim that map dim follows; GQA's group
+// on the head dim), so no per-dim array is indexed at run time.
+struct MapCoords {
+  int n = 0;
+  int64_t div[3] = {1, 1, 1}, mod[3] = {1, 1, 1}, group[3] = {1, 1, 1};
+};
+
+struct Args {
+  MapCoords q, k, v, p;
+  bool p_tma;   // P leaves through shared memory and TMA stores (rows 16-byte aligned), else
+                // as 4-byte pairs straight from registers
+  bool p_vec8;  // P's rows take 16-byte stores (the causal zeros)
+  bool fold;    // unmasked with a positive scale: clean tiles fold the scale into max and exponent
+                // (decided here: a double compare in the kernel waits on the tensor-core pipe)
+  float scale;       // the scale in fp32, and times log2 e (unmasked scores are in base-2 units)
+  float scale_log2;
+};
+
+SDPA_MATH_D void map_coords(const MapCoords& mc, int64_t lead, int (&c)[3]) {
+#pragma unroll
+  for (int k = 0; k < 3; ++k) c[k] = static_cast<int>((lead / mc.div[k]) % mc.mod[k] / mc.group[k]);
+}
+
+// Row max with NaN propagation (fmaxf drops NaN; the math op's softmax does not).
+SDPA_MATH_D float max_nan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+SDPA_MATH_D float quad_max_nan(float x) {
+  x = max_nan(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return max_nan(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+SDPA_MATH_D float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// Max over this thread's elements of accumulator row r (s[4n + 2r], s[4n + 2r + 1]) as a tree,
+// not a 32-long chain of dependent instructions.
+template <int N>
+SDPA_MATH_D float row_max(const float (&s)[N], int r) {
+  float v[N / 4];
+#pragma unroll
+  for (int n = 0; n < N / 4; ++n) v[n] = max_nan(s[4 * n + 2 * r], s[4 * n + 2 * r + 1]);
+  static_assert(N == 64, "the tree below halves 16 values four times");
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v[i] = max_nan(v[i], v[i + 8]);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) v[i] = max_nan(v[i], v[i + 4]);
+  return max_nan(max_nan(v[0], v[2]), max_nan(v[1], v[3]));
+}
+// exp(logit - m) for a logit x: base-2 logits (unmasked) take 2^(x·mul − m) in one multiply-add,
+// where mul folds in the scale for raw scores; natural ones (masked) take 2^((x − m)·log2 e), the
+// difference first, since x and m near a float mask's finfo.min would overflow fp32 times log2 e.
+template <bool NATURAL>
+SDPA_MATH_D float exp_from(float x, float mul, float m) {
+  if constexpr (NATURAL) return fast_exp2((x - m) * 1.4426950408889634f);
+  else return fast_exp2(fmaf(x, mul, -m));
+}
+// Σ exp_from over the same elements as row_max, in four independent partial sums.
+template <bool NATURAL, int N>
+SDPA_MATH_D float row_sum_exp(const float (&s)[N], int r, float mul, float m) {
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int n = 0; n < N / 4; ++n)
+    acc[n % 4] += exp_from<NATURAL>(s[4 * n + 2 * r], mul, m) + exp_from<NATURAL>(s[4 * n + 2 * r + 1], mul, m);
+  return (acc[0] + acc[1]) + (acc[2] + acc[3]);
+}
+
+// The mask's element type, fixed per kernel so its loads are plain typed loads.
+enum class MaskKind : int { None, Bool, Same /* the inputs' dtype */, Float32 };
+
+template <typename T, MaskKind M>
+SDPA_MATH_D float mask_value(const char* row, int64_t j, int64_t col) {
+  if constexpr (M == MaskKind::Bool) return reinterpret_cast<const uint8_t*>(row)[j * col] ? 0.0f : -INFINITY;
+  else if constexpr (M == MaskKind::Same) return to_float<T>(reinterpret_cast<const T*>(row)[j * col]);
+  else return reinterpret_cast<const float*>(row)[j * col];
+}
+
+// MASK = None: scores in base-2 units (x = s * scale * log2 e; one multiply-add and one ex2 per
+// element), causal and the key tail by index, only on the tiles that need it. With a mask:
+// natural units (x = s * scale + mask), so a row held at a float mask's finfo.min still has
+// finite logits (their base-2 form would overflow fp32) and gives the math op's uniform row;
+// exponents are taken of differences, (x - m) * log2 e.
+template <typename T, int D, MaskKind MASK>
+__global__ void __launch_bounds__(kThreads, 1)
+    forward_sm90(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                 const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_p, const DevProblem p,
+                 const Args a, const int64_t tiles) {
+  using C = Tiles<D>;
+  constexpr bool kMasked = MASK != MaskKind::None;
+  constexpr float kNegInf = -INFINITY;
+  constexpr float kLog2e = 1.4426950408889634f;
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* base = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  T* sQ = reinterpret_cast<T*>(base);
+  T* sK = reinterpret_cast<T*>(base + C::kQBytes);
+  T* sV = sK + C::kKStages * kBN * D;
+  T* sP = sV + C::kVStages * kBN * D;
+  uint64_t* k_full = reinterpret_cast<uint64_t*>(sP + 2 * 64 * kBN);
+  uint64_t* k_empty = k_full + C::kKStages;
+  uint64_t* v_full = k_empty + C::kKStages;
+  uint64_t* v_empty = v_full + C::kVStages;
+  uint64_t* q_full = v_empty + C::kVStages;
+
+  // The longest causal row blocks first, over every head.
+  const int64_t lead = blockIdx.x % p.num_lead;
+  const int64_t i0 = (tiles - 1 - blockIdx.x / p.num_lead) * kBM;
+  const int64_t j_end = p.causal ? (i0 + kBM < p.S ? i0 + kBM : p.S) : p.S;
+  const int n_tiles = static_cast<int>((j_end + kBN - 1) / kBN);
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < C::kKStages; ++s) {
+      mbar_init(&k_full[s], 1);
+      mbar_init(&k_empty[s], kConsumerWarps);
+    }
+    for (int s = 0; s < C::kVStages; ++s) {
+      mbar_init(&v_full[s], 1);
+      mbar_init(&v_empty[s], kConsumerWarps);
+    }
+    mbar_init(q_full, 1);
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  const int wg = threadIdx.x / 128;
+  if (wg == 0) {  // producer
+    // The maps' coordinates of this head, computed before the warpgroup gives registers back.
+    int cq[3], ck[3], cv[3];
+    map_coords(a.q, lead, cq);
+    map_coords(a.k, lead, ck);
+    map_coords(a.v, lead, cv);
+    regs_release<kProducerRegs>();
+    if (threadIdx.x == 0) {
+      prefetch_tensor_map(&tm_q);
+      prefetch_tensor_map(&tm_k);
+      prefetch_tensor_map(&tm_v);
+      mbar_arrive_expect_tx(q_full, C::kQBytes);
+#pragma unroll
+      for (int b = 0; b < C::kBlocks; ++b)
+        tma_load_5d(sQ + b * kBM * 64, &tm_q, q_full, b * 64, static_cast<int>(i0), cq[0], cq[1], cq[2]);
+      // Use n of a ring's stage s waits for the n-th release (parity n & 1 ^ 1: the first is free).
+      int kt = 0, vt = 0;
+      for (int pass = 0; pass < 2; ++pass)
+        for (int nt = 0; nt < n_tiles; ++nt) {
+          const int ks = kt % C::kKStages;
+          mbar_wait(&k_empty[ks], ((kt++ / C::kKStages) & 1) ^ 1);
+          mbar_arrive_expect_tx(&k_full[ks], C::kKVBytes);
+#pragma unroll
+          for (int b = 0; b < C::kBlocks; ++b)
+            tma_load_5d(sK + ks * kBN * D + b * kBN * 64, &tm_k, &k_full[ks], b * 64, nt * kBN, ck[0], ck[1], ck[2]);
+          if (pass == 1) {
+            const int vs = vt % C::kVStages;
+            mbar_wait(&v_empty[vs], ((vt++ / C::kVStages) & 1) ^ 1);
+            mbar_arrive_expect_tx(&v_full[vs], C::kKVBytes);
+#pragma unroll
+            for (int b = 0; b < C::kBlocks; ++b)
+              tma_load_5d(sV + vs * kBN * D + b * kBN * 64, &tm_v, &v_full[vs], b * 64, nt * kBN, cv[0], cv[1], cv[2]);
+          }
+        }
+    }
+    return;
+  }
+
+  // Consumers: warpgroup cw holds rows i0 + 64 cw .. + 63; this thread rows row[0] and row[0] + 8
+  // (quad g of its warp), keys 8n + 2t, + 1 of each 8-key group n of a tile.
+  regs_claim<kConsumerRegs>();
+  const int cw = wg - 1;
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
+  const int64_t row[2] = {i0 + cw * 64 + warp * 16 + g, i0 + cw * 64 + warp * 16 + g + 8};
+  const bool row_ok[2] = {row[0] < p.L, row[1] < p.L};
+  const int64_t warp_row0 = i0 + cw * 64 + warp * 16;
+  T* P = reinterpret_cast<T*>(p.probs.data) + lead_off(p, p.probs, lead);
+  T* p_row[2] = {P + row[0] * p.probs.row, P + row[1] * p.probs.row};
+  const char* m_row[2] = {nullptr, nullptr};
+  if constexpr (kMasked) {
+    const int64_t esize = MASK == MaskKind::Bool ? 1 : MASK == MaskKind::Same ? 2 : 4;
+    const int64_t m_at = lead_off(p, p.mask, lead);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) m_row[r] = p.mask.data + (m_at + (row_ok[r] ? row[r] : 0) * p.mask.row) * esize;
+  }
+  const float scale = kMasked ? a.scale : a.scale_log2;
+  const T* q_rows = sQ + cw * 64 * 64;  // this warpgroup's 64 rows of each column block
+  // This warpgroup's P tile in shared memory: two 64-column blocks [64 rows][64], 128-byte
+  // swizzled as the P map's TMA store reads them; pair (r, 8n + 2t) is at chunk (n % 8) ^ (r % 8).
+  T* p_tile = sP + cw * 64 * kBN;
+  const int p_bar = 1 + cw;  // named barrier of this warpgroup's 128 threads
+  const bool p_leader = tid == 0;
+  int cp[3] = {0, 0, 0};
+  map_coords(a.p, lead, cp);
+
+  // A tile needs index checks when it runs past the keys or crosses this warp's causal diagonal.
+  // Clean tiles of unmasked problems with a positive scale skip the logits pass: the scale folds
+  // into the max (max(s) · scale) and into the exponent's multiply-add.
+  auto tile_is_clean = [&](int64_t j0) { return j0 + kBN <= p.S && (!p.causal || j0 + kBN - 1 <= warp_row0); };
+  const bool fold = !kMasked && a.fold;
+  // Ping-pong: the two warpgroups take turns to issue their products (named barriers 3 and 4), so
+  // one's softmax runs while the other's products occupy the tensor cores instead of both
+  // drifting into lockstep on the same tiles. Warpgroup 0 goes first; both take 3 turns a tile.
+  const int turns = 3 * n_tiles;
+  int turn = 0;
+  auto turn_begin = [&] { named_barrier(3 + cw, 256); };
+  auto turn_end = [&] {
+    if (++turn < turns || cw == 0) named_barrier_arrive(3 + (1 - cw), 256);  // none after the last
+  };
+  if (cw == 1 && turns > 0) named_barrier_arrive(3, 256);
+
+  // S = Q Kᵀ for this warpgroup's rows and the stage's keys (raw dot products), in its turn.
+  auto scores = [&](float (&s)[kBN / 2], int stage) {
+    const T* k_tile = sK + stage * kBN * D;
+    fence_regs(s);
+    turn_begin();
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const int b = kk / 4, off = (kk % 4) * 16;
+      Wgmma<T, kBN>::template ss<0>(s, desc_sw128(q_rows + b * kBM * 64 + off, 16, 1024),
+                                    desc_sw128(k_tile + b * kBN * 64 + off, 16, 1024), kk > 0);
+    }
+    wgmma_commit();
+    turn_end();
+    wgmma_wait<0>();
+    fence_regs(s);
+  };
+  // Scores to logits in place: scaled, masked, -inf where hidden (past S, causal, a false mask
+  // entry, a padding row). `clean` tiles (unmasked problems only) skip the index checks.
+  auto to_logits = [&](float (&s)[kBN / 2], int64_t j0, bool clean) {
+    if (!kMasked && clean) {
+#pragma unroll
+      for (int i = 0; i < kBN / 2; ++i) s[i] *= scale;
+      return;
+    }
+    // Keys visible to each row: columns < limit[r] of the tile.
+    int limit[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      int64_t lim = p.S - j0 < kBN ? p.S - j0 : kBN;
+      if (p.causal && row[r] - j0 + 1 < lim) lim = row[r] - j0 + 1;
+      limit[r] = row_ok[r] ? static_cast<int>(lim > 0 ? lim : 0) : 0;
+    }
+#pragma unroll
+    for (int n = 0; n < kBN / 8; ++n)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int r = c >> 1, jj = n * 8 + 2 * t + (c & 1);
+        float x = s[4 * n + c] * scale;
+        if constexpr (kMasked) {
+          if (jj < limit[r]) x += mask_value<T, MASK>(m_row[r], j0 + jj, p.mask.col);
+        }
+        s[4 * n + c] = jj < limit[r] ? x : kNegInf;
+      }
+  };
+
+  mbar_wait(q_full, 0);
+
+  // Pass 1: the running max (common to the quad sharing a row) and per-thread partial sums.
+  float m[2] = {kNegInf, kNegInf}, l[2] = {0.0f, 0.0f};
+  int kt = 0;  // uses of the K ring so far (its stage and phase)
+  for (int nt = 0; nt < n_tiles; ++nt, ++kt) {
+    const int stage = kt % C::kKStages;
+    mbar_wait(&k_full[stage], (kt / C::kKStages) & 1);
+    float s[kBN / 2];
+    scores(s, stage);
+    if (lane == 0) mbar_arrive(&k_empty[stage]);
+    const int64_t j0 = static_cast<int64_t>(nt) * kBN;
+    const bool raw = fold && tile_is_clean(j0);
+    if (!raw) to_logits(s, j0, tile_is_clean(j0));
+    const float mul = raw ? scale : 1.0f;  // logit = s · mul
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float new_max = max_nan(m[r], quad_max_nan(row_max(s, r)) * mul);
+      if (new_max == kNegInf) continue;
+      const float add = row_sum_exp<kMasked>(s, r, mul, new_max);
+      l[r] = l[r] * exp_from<kMasked>(m[r], 1.0f, new_max) + add;  // exp(-inf) = 0 on the first tile
+      m[r] = new_max;
+    }
+  }
+
+  // P = exp(x - m) / l; the lse. A fully masked row (l = 0) gives P = 0 and lse = -inf; a NaN
+  // anywhere in the row gives NaN throughout.
+  float inv_l[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float total = quad_sum(l[r]);
+    const bool nan = total != total;
+    inv_l[r] = total > 0.0f ? 1.0f / total : nan ? total : 0.0f;
+    const float lse = total > 0.0f ? (kMasked ? m[r] + logf(total) : (m[r] + log2f(total)) / kLog2e)
+                      : nan     ? total
+                                : kNegInf;
+    if (!(total > 0.0f) && !nan) m[r] = 0.0f;  // every exp below is of -inf: P = 0
+    if (t == 0 && row_ok[r]) reinterpret_cast<float*>(p.lse.data)[lead_off(p, p.lse, lead) + row[r] * p.lse.row] = lse;
+  }
+
+  // Pass 2: P once, O += u V.
+  float o[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
+  for (int nt = 0; nt < n_tiles; ++nt, ++kt) {
+    const int stage = kt % C::kKStages, v_stage = nt % C::kVStages;
+    mbar_wait(&k_full[stage], (kt / C::kKStages) & 1);
+    float s[kBN / 2];
+    scores(s, stage);
+    if (lane == 0) mbar_arrive(&k_empty[stage]);
+    const int64_t j0 = static_cast<int64_t>(nt) * kBN;
+    const bool clean = tile_is_clean(j0), raw = fold && clean;
+    if (!raw) to_logits(s, j0, clean);
+    const float mul = raw ? scale : 1.0f;
+    const int keys = static_cast<int>(p.S - j0 < kBN ? p.S - j0 : kBN);  // P columns of this tile
+    if (a.p_tma) {  // the P tile's last TMA store has read shared memory before it is rewritten
+      if (p_leader) bulk_wait_read<0>();
+      named_barrier(p_bar, 128);
+    }
+    uint32_t u_frag[kBN / 16][4];
+#pragma unroll
+    for (int n = 0; n < kBN / 8; ++n)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float u0 = exp_from<kMasked>(s[4 * n + 2 * r], mul, m[r]);
+        const float u1 = exp_from<kMasked>(s[4 * n + 2 * r + 1], mul, m[r]);
+        // A fragment of k-step n/2: {row g, keys 2t..} {row g+8, 2t..} {g, 2t+8..} {g+8, 2t+8..}.
+        u_frag[n / 2][(n & 1) * 2 + r] = pack2<T>(u0, u1);
+        const uint32_t pr = pack2<T>(u0 * inv_l[r], u1 * inv_l[r]);
+        const int jj = n * 8 + 2 * t;  // S is even (forward_applies): pairs never straddle the end
+        if (a.p_tma) {
+          const int rr = warp * 16 + g + 8 * r;
+          *reinterpret_cast<uint32_t*>(p_tile + (n / 8) * 64 * 64 + rr * 64 + (((n % 8) ^ (rr % 8)) * 8) + 2 * t) = pr;
+        } else if (row_ok[r] && (clean || jj < keys)) {
+          *reinterpret_cast<uint32_t*>(p_row[r] + j0 + jj) = pr;
+        }
+      }
+    if (a.p_tma) {  // the tile to global memory (TMA clips it at L and S), while the products run
+      fence_proxy_async();
+      named_barrier(p_bar, 128);
+      if (p_leader) {
+#pragma unroll
+        for (int b = 0; b < kBN / 64; ++b)
+          tma_store_5d(&tm_p, p_tile + b * 64 * 64, static_cast<int>(j0) + b * 64, static_cast<int>(i0) + cw * 64, cp[0],
+                       cp[1], cp[2]);
+        bulk_commit();
+      }
+    }
+    mbar_wait(&v_full[v_stage], (nt / C::kVStages) & 1);
+    const T* v_tile = sV + v_stage * kBN * D;
+    fence_regs(o);  // u and O are written before the fence, read by the products after it
+#pragma unroll
+    for (int kk = 0; kk < kBN / 16; ++kk) fence_regs(u_frag[kk]);
+    turn_begin();
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBN / 16; ++kk)
+      Wgmma<T, D>::template rs<1>(o, u_frag[kk], desc_sw128(v_tile + kk * 16 * 64, kBN * 128, 1024), 1);
+    wgmma_commit();
+    turn_end();
+    wgmma_wait<0>();
+    fence_regs(o);
+    if (lane == 0) mbar_arrive(&v_empty[v_stage]);
+  }
+  if (a.p_tma && p_leader) bulk_wait_read<0>();  // shared memory outlives the last store's reads
+
+  // O = (u V) / l, two columns a store.
+  T* O = reinterpret_cast<T*>(p.out.data) + lead_off(p, p.out, lead);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (!row_ok[r]) continue;
+    T* o_row = O + row[r] * p.out.row;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      const int col = n * 8 + 2 * t;
+      if (col < p.Ev)
+        *reinterpret_cast<uint32_t*>(o_row + col) = pack2<T>(o[4 * n + 2 * r] * inv_l[r], o[4 * n + 2 * r + 1] * inv_l[r]);
+    }
+  }
+
+  // Causal: the keys right of the last tile are hidden from every row of the CTA: zeros, 16 bytes
+  // a store where rows allow.
+  const int64_t z0 = static_cast<int64_t>(n_tiles) * kBN;
+  if (z0 < p.S) {
+    const int64_t rows = (p.L - i0 < kBM ? p.L - i0 : kBM);
+    const int ct = threadIdx.x - 128;
+    if (a.p_vec8) {
+      const int64_t chunks = (p.S - z0) / 8;
+      for (int64_t idx = ct; idx < rows * chunks; idx += 256) {
+        const int64_t r = idx / chunks, c = z0 + (idx % chunks) * 8;
+        *reinterpret_cast<uint4*>(P + (i0 + r) * p.probs.row + c) = make_uint4(0, 0, 0, 0);
+      }
+    } else {
+      const int64_t cols = p.S - z0;
+      for (int64_t idx = ct; idx < rows * cols; idx += 256) {
+        const int64_t r = idx / cols, c = z0 + idx % cols;
+        P[(i0 + r) * p.probs.row + c] = from_float<T>(0.0f);
+      }
+    }
+  }
+}
+
+// ---- host side --------------------------------------------------------------------------------
+
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// The driver's tensor-map encoder, found through the runtime (no link against libcuda).
+EncodeTiled encoder() {
+  static const EncodeTiled fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess)
+      return EncodeTiled{nullptr};
+    return reinterpret_cast<EncodeTiled>(f);
+  }();
+  return fn;
+}
+
+// A 5-D map of one 16-bit operand: {cols, rows, up to three lead dims it does not broadcast
+// over}, boxes of {64, box_rows} with the 128-byte swizzle. False when TMA cannot address it.
+bool make_map(CUtensorMap* map, const DevProblem& p, const DevOperand& op, int64_t rows, int64_t cols, int box_rows,
+              MapCoords& mc) {
+  EncodeTiled encode = encoder();
+  if (encode == nullptr || op.col != 1 || reinterpret_cast<uintptr_t>(op.data) % 16 != 0) return false;
+  cuuint64_t dims[5] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows), 1, 1, 1};
+  cuuint64_t strides[4] = {static_cast<cuuint64_t>(op.row) * 2, 0, 0, 0};
+  mc = MapCoords{};
+  int64_t inner = 1;  // product of the lead dims inside d
+  for (int d = p.lead_ndim - 1; d >= 0; inner *= p.lead_shape[d--]) {
+    if (op.lead[d] == 0 || p.lead_shape[d] == 1) continue;
+    if (mc.n == 3) return false;
+    const int64_t group = d == p.lead_ndim - 1 ? op.head_group : 1;
+    dims[2 + mc.n] = static_cast<cuuint64_t>(p.lead_shape[d] / group);
+    strides[1 + mc.n] = static_cast<cuuint64_t>(op.lead[d]) * 2;
+    mc.div[mc.n] = inner;
+    mc.mod[mc.n] = p.lead_shape[d];
+    mc.group[mc.n++] = group;
+  }
+  cuuint64_t widest = 16;
+  for (int k = 0; k < 1 + mc.n; ++k) widest = std::max(widest, strides[k]);
+  for (int k = 1 + mc.n; k < 4; ++k) strides[k] = widest;  // dims of size 1: any valid stride
+  for (int k = 0; k < 4; ++k)
+    if (strides[k] == 0 || strides[k] % 16 != 0 || strides[k] >= (cuuint64_t(1) << 40)) return false;
+  for (int k = 0; k < 5; ++k)
+    if (dims[k] == 0 || dims[k] > (cuuint64_t(1) << 31)) return false;
+  const cuuint32_t box[5] = {64, static_cast<cuuint32_t>(box_rows), 1, 1, 1};
+  const cuuint32_t unit[5] = {1, 1, 1, 1, 1};
+  const auto type = op.dtype == DType::Float16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  return encode(map, type, 5, op.data, dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+int64_t padded_head(int64_t e) { return e <= 64 ? 64 : 128; }
+
+template <typename T, int D, MaskKind MASK>
+void launch(const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& v, const CUtensorMap& pm,
+            const DevProblem& p, const Args& a, cudaStream_t stream) {
+  const int64_t tiles = (p.L + kBM - 1) / kBM;
+  const int64_t blocks = tiles * p.num_lead;
+  if (blocks > 2147483647LL) throw Error(ErrorCode::CudaFailure, "too many query tiles for one CUDA launch");
+  const auto kernel = &forward_sm90<T, D, MASK>;
+  set_smem_limit(reinterpret_cast<const void*>(kernel), Tiles<D>::kSmem);
+  kernel<<<static_cast<unsigned>(blocks), kThreads, Tiles<D>::kSmem, stream>>>(q, k, v, pm, p, a, tiles);
+  check_launch("sm90 forward");
+}
+
+template <typename T, int D>
+void launch_for_mask(const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& v, const CUtensorMap& pm,
+                     const DevProblem& p, const Args& a, MaskKind mask, cudaStream_t stream) {
+  switch (mask) {
+    case MaskKind::None: return launch<T, D, MaskKind::None>(q, k, v, pm, p, a, stream);
+    case MaskKind::Bool: return launch<T, D, MaskKind::Bool>(q, k, v, pm, p, a, stream);
+    case MaskKind::Same: return launch<T, D, MaskKind::Same>(q, k, v, pm, p, a, stream);
+    case MaskKind::Float32: return launch<T, D, MaskKind::Float32>(q, k, v, pm, p, a, stream);
+  }
+}
+
+// The mask's kind, or false when this kernel does not read it (another float dtype).
+bool mask_kind(const DevProblem& p, MaskKind& kind) {
+  if (p.mask.data == nullptr) kind = MaskKind::None;
+  else if (p.mask_is_bool) kind = MaskKind::Bool;
+  else if (p.mask.dtype == p.q.dtype) kind = MaskKind::Same;
+  else if (p.mask.dtype == DType::Float32) kind = MaskKind::Float32;
+  else return false;
+  return true;
+}
+
+template <typename T>
+bool forward_for(const DevProblem& p, cudaStream_t stream) {
+  CUtensorMap q, k, v, pm;
+  Args a;
+  MaskKind mask;
+  if (!mask_kind(p, mask) || !make_map(&q, p, p.q, p.L, p.E, kBM, a.q) || !make_map(&k, p, p.k, p.S, p.E, kBN, a.k) ||
+      !make_map(&v, p, p.v, p.S, p.Ev, kBN, a.v))
+    return false;
+  a.p_vec8 = rows_vectorizable(p.probs, p.lead_ndim, p.S, 2, 8);
+  a.fold = p.scale > 0.0;
+  a.scale = static_cast<float>(p.scale);
+  a.scale_log2 = static_cast<float>(p.scale * 1.4426950408889634);
+  a.p_tma = make_map(&pm, p, p.probs, p.L, p.S, 64, a.p);
+  if (padded_head(p.E) == 64) launch_for_mask<T, 64>(q, k, v, pm, p, a, mask, stream);
+  else launch_for_mask<T, 128>(q, k, v, pm, p, a, mask, stream);
+  return true;
+}
+
+}  // namespace
+
+bool device_supported() {
+  // SDPA_MATH_SM90=0 turns the Hopper kernels off (the mma.sync path runs instead): for
+  // side-by-side measurements and for telling a kernel's fault from its neighbours'.
+  static const bool disabled = [] {
+    const char* env = std::getenv("SDPA_MATH_SM90");
+    return env != nullptr && env[0] == '0';
+  }();
+  if (disabled) return false;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  static int cached[64] = {};  // 0 unknown, 1 yes, 2 no
+  if (device < 0 || device >= 64) return false;
+  if (cached[device] == 0) {
+    int major = 0, minor = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+    cached[device] = major == 9 && minor == 0 ? 1 : 2;
+  }
+  return cached[device] == 1;
+}
+
+bool forward_applies(const DevProblem& p) {
+  if (p.q.dtype != DType::Float16 && p.q.dtype != DType::BFloat16) return false;
+  if (p.dropout != Dropout::None) return false;
+  if (p.E <= 0 || p.Ev <= 0 || p.E > 128 || p.Ev > 128 || padded_head(p.E) != padded_head(p.Ev)) return false;
+  if (p.E % 8 != 0 || p.Ev % 8 != 0) return false;
+  // Outputs as the binding allocates them: P and O in the inputs' dtype with rows that take
+  // 4-byte pair stores, lse in fp32.
+  if (p.probs.dtype != p.q.dtype || p.out.dtype != p.q.dtype || p.lse.dtype != DType::Float32) return false;
+  if (!rows_vectorizable(p.probs, p.lead_ndim, p.S, 2, 2) || !rows_vectorizable(p.out, p.lead_ndim, p.Ev, 2, 2))
+    return false;
+  return p.L > 0 && p.L <= 2147483647LL && p.S <= 2147483647LL && device_supported();
+}
+
+bool forward(const DevProblem& p, cudaStream_t stream) {
+  if (p.q.dtype == DType::Float16) return forward_for<__half>(p, stream);
+  return forward_for<__nv_bfloat16>(p, stream);
+}
+
+}  // namespace sdpa_math::cuda::sm90

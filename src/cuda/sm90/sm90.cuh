@@ -1,0 +1,22 @@
+// The Hopper (sm_90a) kernels: compiled for 90a only (CMake's sdpa_math_sm90 objects) and chosen
+// at run time when the tensors' device has compute capability 9.0. Each path says whether it
+// takes a problem; the caller runs the first path that does.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "../device_problem.cuh"
+
+namespace sdpa_math::cuda::sm90 {
+
+// Whether the device the problem runs on is a Hopper GPU this build has kernels for.
+bool device_supported();
+
+// The forward on warpgroup products fed by TMA (forward_sm90.cu): fp16/bf16, head sizes up to
+// 128 (E and Ev padded alike to 64 or 128, multiples of 8), rows unit-stride with 16-byte-aligned
+// strides (contiguous and transposed (B, L, H, E) views alike), any masks, causal, GQA; no dropout.
+bool forward_applies(const DevProblem& p);
+// Runs it; false when the layout cannot be described to the TMA unit (nothing was launched).
+bool forward(const DevProblem& p, cudaStream_t stream);
+
+}  // namespace sdpa_math::cuda::sm90

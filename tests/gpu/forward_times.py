@@ -1,0 +1,58 @@
+"""Median forward time of sdpa_math (O and P) on the issue's anchor shapes and input variants, one
+line per shape: for comparing kernel versions in one GPU call (run once with SDPA_MATH_SM90=0 for
+the mma.sync path). The side-by-side benchmark with the other implementations is sdpa_math.bench.
+
+    python3 tests/gpu/forward_times.py [float16|bfloat16] [--fb]
+"""
+import sys
+
+import torch
+
+import sdpa_math
+
+SHAPES = {  # B, Hq, Hkv, L, S, E, causal
+    "prefill1k_d64": (4, 16, 16, 1024, 1024, 64, False),
+    "prefill1k_d128": (4, 16, 16, 1024, 1024, 128, False),
+    "prefill2k_d128_causal": (2, 16, 16, 2048, 2048, 128, True),
+    "gqa1k_d128": (4, 32, 8, 1024, 1024, 128, False),
+    "tail100_d64": (8, 16, 16, 100, 1100, 64, False),
+    "long4k_d128_causal": (1, 32, 32, 4096, 4096, 128, True),
+}
+
+
+def median_ms(fn, reps=30):
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def main():
+    dtype = getattr(torch, sys.argv[1]) if len(sys.argv) > 1 and not sys.argv[1].startswith("-") else torch.float16
+    for name, (B, H, Hkv, L, S, E, causal) in SHAPES.items():
+        q = torch.randn(B, H, L, E, device="cuda", dtype=dtype)
+        k, v = (torch.randn(B, Hkv, S, E, device="cuda", dtype=dtype) for _ in range(2))
+        gqa = H != Hkv
+        variants = {"": (q, k, v, None)}
+        if name == "prefill1k_d128":
+            pad = torch.zeros(B, 1, L, S, device="cuda", dtype=dtype)
+            pad[..., S - 100:] = torch.finfo(dtype).min
+            keypad = torch.ones(B, 1, 1, S, device="cuda", dtype=torch.bool)
+            keypad[..., S - 100:] = False
+            t = lambda x: x.transpose(1, 2).contiguous().transpose(1, 2)  # noqa: E731 (B, L, H, E) storage
+            variants.update({"+fmask": (q, k, v, pad), "+keypad": (q, k, v, keypad), "+blhe": (t(q), t(k), t(v), None)})
+        for suffix, (qq, kk, vv, m) in variants.items():
+            ms = median_ms(lambda: sdpa_math.attention(qq, kk, vv, m, 0.0, causal, enable_gqa=gqa))
+            p_bytes = B * H * L * S * qq.element_size()
+            print(f"{name + suffix:28s} {ms:8.3f} ms   P write alone at 4.2 TB/s: {p_bytes / 4.2e9:.3f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()
