@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <type_traits>
 
 #include "../launch.cuh"
 #include "../mma.cuh"
@@ -121,12 +122,18 @@ SDPA_MATH_D float row_sum_exp(const float (&s)[N], int r, float mul, float m) {
 // The mask's element type, fixed per kernel so its loads are plain typed loads.
 enum class MaskKind : int { None, Bool, Same /* the inputs' dtype */, Float32 };
 
+// Two neighbouring mask elements (keys j, j + 1) as one load, and element e of them as a float
+// to add to the logit.
 template <typename T, MaskKind M>
-SDPA_MATH_D float mask_value(const char* row, int64_t j, int64_t col) {
-  if constexpr (M == MaskKind::Bool) return reinterpret_cast<const uint8_t*>(row)[j * col] ? 0.0f : -INFINITY;
-  else if constexpr (M == MaskKind::Same) return to_float<T>(reinterpret_cast<const T*>(row)[j * col]);
-  else return reinterpret_cast<const float*>(row)[j * col];
-}
+struct MaskPair {
+  using Raw = std::conditional_t<M == MaskKind::Bool, uint16_t, std::conditional_t<M == MaskKind::Same, uint32_t, float2>>;
+  static constexpr int kBytes = M == MaskKind::Bool ? 1 : M == MaskKind::Same ? 2 : 4;  // per element
+  static SDPA_MATH_D float value(const Raw& raw, int e) {
+    if constexpr (M == MaskKind::Bool) return ((raw >> (8 * e)) & 0xFF) ? 0.0f : -INFINITY;
+    else if constexpr (M == MaskKind::Same) return to_float<T>(reinterpret_cast<const T*>(&raw)[e]);
+    else return e ? raw.y : raw.x;
+  }
+};
 
 // MASK = None: scores in base-2 units (x = s * scale * log2 e; one multiply-add and one ex2 per
 // element), causal and the key tail by index, only on the tiles that need it. With a mask:
@@ -223,9 +230,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t warp_row0 = i0 + cw * 64 + warp * 16;
   T* P = reinterpret_cast<T*>(p.probs.data) + lead_off(p, p.probs, lead);
   T* p_row[2] = {P + row[0] * p.probs.row, P + row[1] * p.probs.row};
+  using Mask = MaskPair<T, MASK == MaskKind::None ? MaskKind::Bool : MASK>;
   const char* m_row[2] = {nullptr, nullptr};
   if constexpr (kMasked) {
-    const int64_t esize = MASK == MaskKind::Bool ? 1 : MASK == MaskKind::Same ? 2 : 4;
+    const int64_t esize = Mask::kBytes;
     const int64_t m_at = lead_off(p, p.mask, lead);
 #pragma unroll
     for (int r = 0; r < 2; ++r) m_row[r] = p.mask.data + (m_at + (row_ok[r] ? row[r] : 0) * p.mask.row) * esize;
@@ -256,8 +264,25 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   if (cw == 1 && turns > 0) named_barrier_arrive(3, 256);
 
-  // S = Q Kᵀ for this warpgroup's rows and the stage's keys (raw dot products), in its turn.
-  auto scores = [&](float (&s)[kBN / 2], int stage) {
+  // The mask's pairs for this thread's elements of the tile at key j0, loaded while the tile's
+  // products run (rows unit-stride and pair-aligned: forward_applies).
+  typename Mask::Raw mask_pairs[kMasked ? kBN / 8 : 1][2];
+  auto load_mask = [&](int64_t j0) {
+    if constexpr (kMasked) {
+      const int keys = static_cast<int>(p.S - j0 < kBN ? p.S - j0 : kBN);
+#pragma unroll
+      for (int n = 0; n < kBN / 8; ++n)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int jj = n * 8 + 2 * t;
+          if (row_ok[r] && jj < keys)
+            mask_pairs[n][r] = *reinterpret_cast<const typename Mask::Raw*>(m_row[r] + (j0 + jj) * Mask::kBytes);
+        }
+    }
+  };
+  // S = Q Kᵀ for this warpgroup's rows and the stage's keys (raw dot products), in its turn; the
+  // mask's values for the tile at j0 arrive meanwhile.
+  auto scores = [&](float (&s)[kBN / 2], int stage, int64_t j0) {
     const T* k_tile = sK + stage * kBN * D;
     fence_regs(s);
     turn_begin();
@@ -270,6 +295,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     wgmma_commit();
     turn_end();
+    load_mask(j0);
     wgmma_wait<0>();
     fence_regs(s);
   };
@@ -296,7 +322,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int r = c >> 1, jj = n * 8 + 2 * t + (c & 1);
         float x = s[4 * n + c] * scale;
         if constexpr (kMasked) {
-          if (jj < limit[r]) x += mask_value<T, MASK>(m_row[r], j0 + jj, p.mask.col);
+          if (jj < limit[r]) x += Mask::value(mask_pairs[n][r], c & 1);
         }
         s[4 * n + c] = jj < limit[r] ? x : kNegInf;
       }
@@ -311,9 +337,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int stage = kt % C::kKStages;
     mbar_wait(&k_full[stage], (kt / C::kKStages) & 1);
     float s[kBN / 2];
-    scores(s, stage);
-    if (lane == 0) mbar_arrive(&k_empty[stage]);
     const int64_t j0 = static_cast<int64_t>(nt) * kBN;
+    scores(s, stage, j0);
+    if (lane == 0) mbar_arrive(&k_empty[stage]);
     const bool raw = fold && tile_is_clean(j0);
     if (!raw) to_logits(s, j0, tile_is_clean(j0));
     const float mul = raw ? scale : 1.0f;  // logit = s · mul
@@ -350,9 +376,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int stage = kt % C::kKStages, v_stage = nt % C::kVStages;
     mbar_wait(&k_full[stage], (kt / C::kKStages) & 1);
     float s[kBN / 2];
-    scores(s, stage);
-    if (lane == 0) mbar_arrive(&k_empty[stage]);
     const int64_t j0 = static_cast<int64_t>(nt) * kBN;
+    scores(s, stage, j0);
+    if (lane == 0) mbar_arrive(&k_empty[stage]);
     const bool clean = tile_is_clean(j0), raw = fold && clean;
     if (!raw) to_logits(s, j0, clean);
     const float mul = raw ? scale : 1.0f;
@@ -582,6 +608,11 @@ bool forward_applies(const DevProblem& p) {
   // Outputs as the binding allocates them: P and O in the inputs' dtype with rows that take
   // 4-byte pair stores, lse in fp32.
   if (p.probs.dtype != p.q.dtype || p.out.dtype != p.q.dtype || p.lse.dtype != DType::Float32) return false;
+  // A mask is read a pair of keys at a time.
+  if (p.mask.data != nullptr) {
+    const int bytes = p.mask_is_bool ? 1 : p.mask.dtype == DType::Float32 ? 4 : 2;
+    if (!rows_vectorizable(p.mask, p.lead_ndim, p.S, bytes, 2)) return false;
+  }
   if (!rows_vectorizable(p.probs, p.lead_ndim, p.S, 2, 2) || !rows_vectorizable(p.out, p.lead_ndim, p.Ev, 2, 2))
     return false;
   return p.L > 0 && p.L <= 2147483647LL && p.S <= 2147483647LL && device_supported();
