@@ -1,40 +1,54 @@
 #!/usr/bin/env bash
-# One call on the GPU machine does the whole job: check the machine, load the extension (the
-# one carried from the build machine at python/sdpa_math/_C.so, else build it there), run the
-# GPU tests, run a subset under compute-sanitizer, and benchmark. Raw results go under $OUT.
+# One call on the GPU machine does the whole job: check the machine, build the package there the
+# way a user does (pip with that machine's own compilers), check the build, run the GPU tests,
+# run a subset under compute-sanitizer, and benchmark. Raw results go under $OUT.
 #   bash scripts/gpu_run.sh [tests] [sanitize] [bench] [bench-full] [model] [demo] [profile]
+# SDPA_MATH_PYTEST_ARGS: what the tests stage runs (default tests/python). SDPA_MATH_GPU_ARCHS: the CUDA architectures to build (default 90a-real: the H200; a user's plain
+# `pip install .` builds the CMake default list). SDPA_MATH_CARRIED=1 uses a build carried from the
+# build machine at python/sdpa_math/_C.so instead (a second configuration, not the one users run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python
+export PYTHONUNBUFFERED=1
 stages=${*:-tests sanitize bench}
 log() { echo "== $* ($(date +%T))"; }
 
 log machine
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$OUT/machine.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)" | tee -a "$OUT/machine.txt"
-if ! python3 -c "import torch, sdpa_math; assert torch._C._dispatch_has_kernel_for_dispatch_key('sdpa_math::forward', 'CUDA')"; then
-  log "building the extension here (the carried one did not load)"
-  rm -f python/sdpa_math/_C.so
-  CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -q --no-build-isolation --no-deps --no-index --target /tmp/site \
-    -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90a-real . 2>&1 | tail -20
-  export PYTHONPATH=/tmp/site
+echo "CXX=${CXX:-} CC=${CC:-} CUDAHOSTCXX=${CUDAHOSTCXX:-}" >> "$OUT/machine.txt"
+if [ "${SDPA_MATH_CARRIED:-0}" = 1 ]; then
+  export PYTHONPATH=$PWD/python
+else
+  log "building the package as a user does (pip, this machine's compilers)"
+  rm -rf /tmp/site python/sdpa_math/_C.so
+  if ! CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install --no-build-isolation --no-deps --no-index --target /tmp/site \
+      -C cmake.define.CMAKE_CUDA_ARCHITECTURES="${SDPA_MATH_GPU_ARCHS:-90a-real}" . > "$OUT/build.log" 2>&1; then
+    tail -40 "$OUT/build.log"
+    exit 1
+  fi
+  export PYTHONPATH=/tmp/site  # the built package, not the source tree's
+  so=$(ls /tmp/site/sdpa_math/_C*.so)
+  { echo "NEEDED:"; readelf -d "$so" | grep NEEDED
+    echo "exported C++ runtime symbols: $(nm -D --defined-only "$so" | awk '{print $NF}' | grep -cE '^(__cxa_|_ZSt|_ZNSt|_ZNKSt|_ZNSo)')"; } \
+    | tee "$OUT/build-check.txt"
 fi
+python3 -c "import torch, sdpa_math; print('sdpa_math from', sdpa_math.__file__); assert torch._C._dispatch_has_kernel_for_dispatch_key('sdpa_math::forward', 'CUDA')"
 
 for stage in $stages; do
   case $stage in
     tests)
       log "pytest (GPU and CPU suites)"
-      python3 -m pytest -q -p no:cacheprovider tests/python 2>&1 | tee "$OUT/pytest.log" | tail -25 ;;
+      python3 -m pytest -q -p no:cacheprovider ${SDPA_MATH_PYTEST_ARGS:-tests/python} 2>&1 | tee "$OUT/pytest.log" | tail -25 ;;
     sanitize)
-      for tool in memcheck racecheck; do
+      for tool in memcheck racecheck synccheck; do
         log "compute-sanitizer $tool"
         compute-sanitizer --tool $tool --print-limit 20 python3 tests/gpu/sanitize_cases.py 2>&1 | tail -15 | tee "$OUT/sanitizer-$tool.log"
       done ;;
     bench)
-      log "benchmark: anchor shapes, fp16 and bf16"
-      python3 -m sdpa_math.bench run --device cuda --set anchors --dtypes float16 bfloat16 --out "$OUT" 2>&1 | tail -30 ;;
+      log "benchmark: anchor shapes and input variants, fp16 and bf16"
+      python3 -m sdpa_math.bench run --device cuda --set anchors+variants --dtypes float16 bfloat16 --out "$OUT" 2>&1 | tail -40 ;;
     bench-full)
       log "benchmark: anchors and sweep, fp16, bf16, fp32"
       python3 -m sdpa_math.bench run --device cuda --set anchors+sweep --out "$OUT" 2>&1 | tail -50 ;;
