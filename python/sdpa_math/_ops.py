@@ -1,5 +1,6 @@
 """Loads the compiled ops (torch.ops.sdpa_math.*) and registers what PyTorch needs around them:
-fake kernels for torch.compile, and autograd through both outputs O and P."""
+fake kernels for torch.compile, and autograd through both outputs O and P. Double backward is not
+implemented: differentiating the gradients raises (see _double_backward)."""
 from __future__ import annotations
 
 import pathlib
@@ -78,3 +79,28 @@ def _backward(ctx, grad_output, grad_probs, _grad_lse):
 
 
 torch.library.register_autograd("sdpa_math::forward", _backward, setup_context=_setup_context)
+
+
+_DOUBLE_BACKWARD = (
+    "sdpa_math: double backward is not supported: the gradients of sdpa_math.attention (and of the "
+    "aten op under sdpa_math.override()) are not differentiable. This is reached by differentiating "
+    "gradients taken with create_graph=True (gradient penalties, Hessian-vector products, "
+    "gradgradcheck). Use PyTorch's own math op there (sdpa_math.disable(), or outside the "
+    "override() block).")
+
+
+def _double_backward_setup_context(ctx, inputs, output):
+    pass
+
+
+def _double_backward(ctx, *grads):
+    """The autograd formula of sdpa_math::backward: an error, not silent zeros.
+
+    Without one, a gradient taken with create_graph=True came out attached to PyTorch's
+    not-implemented fallback, and differentiating it gave None (zeros) with only a warning. The
+    error is raised when the second derivative actually reaches the op, so create_graph=True on a
+    graph whose second derivative does not pass through attention still works."""
+    raise RuntimeError(_DOUBLE_BACKWARD)
+
+
+torch.library.register_autograd("sdpa_math::backward", _double_backward, setup_context=_double_backward_setup_context)

@@ -121,3 +121,37 @@ def test_backward_of_rows_near_finfo_min_matches_float64():
 
     for got, ref in zip(grads(torch.float32), grads(torch.float64)):
         assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-5
+
+
+def _double_backward_inputs():
+    q, k, v = _inputs()
+    out, probs = sdpa_math.attention(q, k, v)
+    return (q, k, v), (out * out).sum() + (probs * probs).sum()
+
+
+def test_double_backward_raises_instead_of_silent_zeros():
+    """create_graph=True works; differentiating the gradients raises (it gave None, only a warning)."""
+    (q, k, v), loss = _double_backward_inputs()
+    gq, gk, gv = torch.autograd.grad(loss, (q, k, v), create_graph=True)
+    first = torch.autograd.grad(loss, (q, k, v), retain_graph=True)
+    for g, f in zip((gq, gk, gv), first):
+        torch.testing.assert_close(g.detach(), f, rtol=0, atol=0)
+    assert gq.requires_grad
+    with pytest.raises(RuntimeError, match="sdpa_math: double backward is not supported"):
+        torch.autograd.grad((gq.sum() + gk.sum() + gv.sum()), (q, k, v), allow_unused=True)
+
+
+def test_gradgradcheck_raises():
+    q, k, v = _inputs()
+    with pytest.raises(RuntimeError, match="sdpa_math: double backward is not supported"):
+        torch.autograd.gradgradcheck(lambda q, k, v: sdpa_math.attention(q, k, v), (q, k, v))
+
+
+def test_create_graph_without_second_derivative_through_attention():
+    """The error comes when a second derivative reaches the op's gradients, not at create_graph=True:
+    a second derivative through another branch of the same graph still works."""
+    (q, k, v), loss = _double_backward_inputs()
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    gq, gx = torch.autograd.grad(loss + (x ** 3).sum(), (q, x), create_graph=True)
+    hx, = torch.autograd.grad(gx.sum(), (x,))
+    torch.testing.assert_close(hx, 6 * x.detach())
