@@ -5,6 +5,10 @@ input requires grad; with grad, the Autograd<Backend> key needs its own kernel, 
 registered (shared/docs/design.md, "Override mechanics"). The torch.library.Library object holds
 the registrations: it is kept here for as long as the override is on (a dropped handle would
 silently unregister it).
+
+Thread safety: the registration is process-wide; enable()/disable() and the override() blocks of
+every thread change one reference-counted state under a lock (see override()), and the
+interception counter is updated under a lock.
 """
 from __future__ import annotations
 
@@ -25,60 +29,93 @@ def _keys() -> tuple[str, ...]:
         keys += ["CUDA", "AutogradCUDA"]
     return tuple(keys)
 
+# The registration is process-wide (the dispatcher has no per-thread kernels), so the state that
+# decides it is too, and every change to it happens under _lock: the aten kernels are ours while
+# enable() is in force or at least one override() block, in any thread, is running.
 _lock = threading.Lock()
 _library: torch.library.Library | None = None
+_enabled = False       # enable() called and not undone by disable()
+_blocks = 0            # override() blocks running now, all threads, nested ones counted each
+_count_lock = threading.Lock()
 _interceptions = 0
 
 
 def _aten_kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, dropout_mask=None, *,
                  scale=None, enable_gqa=False):
     global _interceptions
-    _interceptions += 1
+    with _count_lock:
+        _interceptions += 1
     return attention(query, key, value, attn_mask, dropout_p, is_causal, dropout_mask, scale=scale,
                      enable_gqa=enable_gqa)
+
+
+def _sync() -> None:
+    """Registers or drops the kernels to match (_enabled, _blocks). Called with _lock held."""
+    global _library
+    want = _enabled or _blocks > 0
+    if want and _library is None:
+        lib = torch.library.Library("aten", "IMPL")
+        for key in _keys():
+            lib.impl(_OP, _aten_kernel, key)
+        _library = lib
+    elif not want and _library is not None:
+        _library._destroy()
+        _library = None
 
 
 def enable() -> None:
     """Route aten::_scaled_dot_product_attention_math (and F.scaled_dot_product_attention under
     the math backend) to sdpa_math on CPU tensors, and on CUDA tensors when this build has the
-    CUDA backend. Idempotent."""
-    global _library
+    CUDA backend, in the whole process, until disable(). Idempotent, thread-safe."""
+    global _enabled
     with _lock:
-        if _library is not None:
-            return
-        lib = torch.library.Library("aten", "IMPL")
-        for key in _keys():
-            lib.impl(_OP, _aten_kernel, key)
-        _library = lib
+        _enabled = True
+        _sync()
 
 
 def disable() -> None:
-    """Restore PyTorch's own kernels. Idempotent."""
-    global _library
+    """Undo enable(): PyTorch's own kernels are back once no override() block is running either
+    (a block in another thread keeps the override on until it exits). Idempotent, thread-safe."""
+    global _enabled
     with _lock:
-        if _library is None:
-            return
-        _library._destroy()
-        _library = None
+        _enabled = False
+        _sync()
 
 
 def is_enabled() -> bool:
-    return _library is not None
+    """Whether the aten op goes to sdpa_math now (enable() in force, or an override() block running)."""
+    with _lock:
+        return _library is not None
 
 
 @contextlib.contextmanager
 def override():
-    """`with sdpa_math.override(): ...` enables the override for the block, then restores the
-    previous state."""
-    was_enabled = is_enabled()
-    enable()
+    """`with sdpa_math.override(): ...` routes the aten op to sdpa_math for the block.
+
+    The dispatcher's kernels are process-wide, so the override is too: while the block runs, calls
+    from every thread are taken. Blocks are reference-counted under a lock, across threads and
+    nested ones alike: leaving a block restores PyTorch's kernels only when no other block (in this
+    or another thread) is still running and enable() is not in force, so one thread leaving its
+    block never turns the override off under another thread still inside one. enable() or
+    disable() called inside a block set the state that holds after the last block exits."""
+    global _blocks
+    with _lock:
+        _blocks += 1
+        try:
+            _sync()
+        except BaseException:
+            _blocks -= 1
+            raise
     try:
         yield
     finally:
-        if not was_enabled:
-            disable()
+        with _lock:
+            _blocks -= 1
+            _sync()
 
 
 def interceptions() -> int:
-    """How many aten calls the override has taken since the process started."""
-    return _interceptions
+    """How many aten calls the override has taken since the process started (counted under a
+    lock: exact with calls from several threads)."""
+    with _count_lock:
+        return _interceptions

@@ -1,6 +1,7 @@
 """The aten override: F.scaled_dot_product_attention under the math backend and direct aten calls
 are taken, equal sdpa_math.attention bit for bit, and disable() restores PyTorch's behaviour."""
 import gc
+import threading
 
 import pytest
 import torch
@@ -97,3 +98,103 @@ def test_inference_mode_under_override():
         out, probs = aten_math(q, k, v)
     assert sdpa_math.interceptions() == before + 1
     assert not out.requires_grad and out.grad_fn is None
+
+
+def _run_threads(*targets, timeout=60):
+    """Runs the targets in threads; re-raises the first failure in the test's thread."""
+    errors = []
+
+    def wrap(fn):
+        def run():
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+        return run
+
+    threads = [threading.Thread(target=wrap(fn)) for fn in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+        assert not t.is_alive(), "a thread hung"
+    if errors:
+        raise errors[0]
+
+
+def test_override_block_in_one_thread_survives_another_thread_leaving():
+    """A enters, B enters, A leaves, B (still inside) must still be overridden. Before the blocks
+    were reference-counted, A's exit (it had found the override off) disabled it under B."""
+    q, k, v = _qkv()
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def thread_a():
+        with sdpa_math.override():
+            a_in.set()
+            assert b_in.wait(30)
+        a_out.set()
+
+    def thread_b():
+        assert a_in.wait(30)
+        with sdpa_math.override():
+            b_in.set()
+            assert a_out.wait(30)
+            seen["enabled"] = sdpa_math.is_enabled()
+            before = sdpa_math.interceptions()
+            aten_math(q, k, v)
+            seen["taken"] = sdpa_math.interceptions() - before
+
+    _run_threads(thread_a, thread_b)
+    assert seen == {"enabled": True, "taken": 1}
+    assert not sdpa_math.is_enabled()  # the last block out restored PyTorch's kernels
+
+
+def test_override_blocks_entered_and_left_together_from_many_threads():
+    """Threads enter at once (a barrier), call the op, leave in a shuffled order; every call inside
+    a block is taken, the count is exact, and the override is off after the last one."""
+    q, k, v = _qkv()
+    n, calls = 4, 25
+    entered = threading.Barrier(n)
+    leave_order = [threading.Event() for _ in range(n)]
+    misses = []
+
+    def worker(i):
+        def run():
+            with sdpa_math.override():
+                entered.wait(30)
+                for _ in range(calls):
+                    if not sdpa_math.is_enabled():
+                        misses.append(i)
+                    aten_math(q, k, v)
+                # leave in the order 2, 0, 3, 1: early leavers must not switch it off for the rest
+                assert leave_order[i].wait(30)
+            nxt = [2, 0, 3, 1]
+            j = nxt.index(i)
+            if j + 1 < n:
+                leave_order[nxt[j + 1]].set()
+        return run
+
+    before = sdpa_math.interceptions()
+    leave_order[2].set()
+    _run_threads(*(worker(i) for i in range(n)))
+    assert not misses
+    assert sdpa_math.interceptions() - before == n * calls
+    assert not sdpa_math.is_enabled()
+
+
+def test_enable_and_disable_inside_a_block():
+    q, k, v = _qkv()
+    with sdpa_math.override():
+        with sdpa_math.override():  # nested: counted, the outer block keeps it on
+            pass
+        assert sdpa_math.is_enabled()
+        sdpa_math.enable()
+    assert sdpa_math.is_enabled()  # enable() inside the block holds after it
+    with sdpa_math.override():
+        sdpa_math.disable()
+        assert sdpa_math.is_enabled()  # the running block keeps it on
+        before = sdpa_math.interceptions()
+        aten_math(q, k, v)
+        assert sdpa_math.interceptions() == before + 1
+    assert not sdpa_math.is_enabled()
