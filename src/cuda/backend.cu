@@ -72,12 +72,20 @@ class DeviceGuard {
  public:
   explicit DeviceGuard(int index) {
     check_cuda(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (index >= 0 && index != previous_) check_cuda(cudaSetDevice(index), "cudaSetDevice");
+    if (index >= 0 && index != previous_) {
+      check_cuda(cudaSetDevice(index), "cudaSetDevice");
+      changed_ = true;
+    }
   }
-  ~DeviceGuard() { cudaSetDevice(previous_); }
+  // Restores only what the constructor changed: an unconditional cudaSetDevice(previous) would
+  // create a context on the previous device (cuda:0 by default) when all work is on another.
+  ~DeviceGuard() {
+    if (changed_) cudaSetDevice(previous_);
+  }
 
  private:
   int previous_ = 0;
+  bool changed_ = false;
 };
 
 // Scratch memory of one call, from the caller's allocator (or the stream-ordered one).
