@@ -256,6 +256,10 @@ Problem make_problem(const ForwardArgs& a) {
   p.seed = o.seed;
   p.offset = o.offset;
   p.scale = o.scale ? *o.scale : 1.0 / std::sqrt(static_cast<double>(E));
+  // E = 0: every score is an empty sum, 0 whatever the scale (the math op multiplies empty
+  // tensors by it), so P is uniform over the unmasked keys. The default 1/sqrt(0) = inf (or an
+  // infinite or NaN scale given) would make 0 * scale a NaN in every backend: use 1.
+  if (E == 0) p.scale = 1.0;
   return p;
 }
 

@@ -239,13 +239,26 @@ void RowContext::keep_row(int64_t i, float* keep, int64_t n) const {
 float softmax_row(float* x, int64_t n) {
   const int64_t full = n - n % kLanes;
   f32x16 mv = splat(kNegInf);
+  i32x16 nan_lanes = i32x16{};  // the max below skips NaN, so NaN is looked for on the side
   for (int64_t j = 0; j < full; j += kLanes) {
     const f32x16 v = load(x + j);
     mv = v > mv ? v : mv;
+    nan_lanes |= v != v;
   }
   float m = kNegInf;
-  for (int64_t l = 0; l < kLanes; ++l) m = std::max(m, mv[l]);
-  for (int64_t j = full; j < n; ++j) m = std::max(m, x[j]);
+  bool has_nan = false;
+  for (int64_t l = 0; l < kLanes; ++l) {
+    m = std::max(m, mv[l]);
+    has_nan |= nan_lanes[l] != 0;
+  }
+  for (int64_t j = full; j < n; ++j) {
+    m = std::max(m, x[j]);
+    has_nan |= std::isnan(x[j]);
+  }
+  if (has_nan) {  // a NaN logit: the whole row and lse NaN, as the math op's softmax gives
+    std::fill(x, x + n, std::numeric_limits<float>::quiet_NaN());
+    return std::numeric_limits<float>::quiet_NaN();
+  }
   if (m == kNegInf) {  // fully masked (contract §6)
     std::fill(x, x + n, 0.0f);
     return kNegInf;

@@ -39,7 +39,8 @@ struct RowContext {
 };
 
 // Softmax of one row of logits in place; returns the log-sum-exp (-inf when every logit is
-// -inf, and then the row is all zeros: contract §6). exp has |relative error| < 2e-7 on
+// -inf, and then the row is all zeros: contract §6; NaN when a logit is NaN, and then the row is
+// all NaN, as the math op's softmax gives). exp has |relative error| < 2e-7 on
 // [-87, 0] and gives 0 below -87.
 float softmax_row(float* x, int64_t n);
 

@@ -47,6 +47,7 @@ void compute_row(const Problem& p, int64_t lead, const HeadOffsets& h, int64_t i
   r.W.assign(S, 0.0);
   std::vector<double> s(S);
   double m = kNegInf;
+  bool has_nan = false;
   for (int64_t j = 0; j < S; ++j) {
     double dot = 0.0;
     for (int64_t e = 0; e < p.E; ++e) dot += at(p.query, h.q, i, e) * at(p.key, h.k, j, e);
@@ -61,8 +62,12 @@ void compute_row(const Problem& p, int64_t lead, const HeadOffsets& h, int64_t i
     }
     s[j] = score;
     if (score > m) m = score;
+    if (std::isnan(score)) has_nan = true;
   }
-  if (m == kNegInf) {  // fully masked (or S = 0): P = O = 0 (§6)
+  if (has_nan) {  // a NaN logit makes the whole row NaN, lse too, as the math op's softmax does
+    r.A.assign(S, std::numeric_limits<double>::quiet_NaN());
+    r.lse = std::numeric_limits<double>::quiet_NaN();
+  } else if (m == kNegInf) {  // fully masked (or S = 0): P = O = 0 (§6)
     r.lse = kNegInf;
   } else {
     double sum = 0.0;

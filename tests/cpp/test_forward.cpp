@@ -226,6 +226,65 @@ TEST(ForwardSemantics, EmptyDims) {
   }
 }
 
+// E = 0: every score is an empty sum, 0, whatever the scale (the default 1/sqrt(0) is inf), so P
+// is uniform over the keys a row sees and O their mean value row, as native's math op gives.
+TEST(ForwardSemantics, HeadSizeZeroIsUniform) {
+  for (bool causal : {false, true}) {
+    Case c;
+    c.dtype = DType::Float32;
+    c.batch = {1};
+    c.L = 5;
+    c.S = 6;
+    c.E = 0;
+    c.causal = causal;
+    Built b = build(c);
+    const std::vector<double> V = read(b.v.view);
+    for (Backend be : {Backend::Reference, Backend::Cpu}) {
+      Outputs r = run(be, b.args, DType::Float32, DType::Float32);
+      std::vector<double> P = read(r.p.view), O = read(r.o.view), lse = read(r.lse.view);
+      for (int64_t h = 0; h < 2; ++h)
+        for (int64_t i = 0; i < 5; ++i) {
+          const int64_t seen = causal ? i + 1 : 6;
+          for (int64_t j = 0; j < 6; ++j)
+            EXPECT_NEAR(P[(h * 5 + i) * 6 + j], j < seen ? 1.0 / seen : 0.0, 1e-7) << causal << " " << i << " " << j;
+          for (int64_t e = 0; e < 8; ++e) {
+            double mean = 0.0;
+            for (int64_t j = 0; j < seen; ++j) mean += V[(h * 6 + j) * 8 + e] / seen;
+            EXPECT_NEAR(O[(h * 5 + i) * 8 + e], mean, 1e-6) << causal << " " << i << " " << e;
+          }
+          EXPECT_NEAR(lse[h * 5 + i], std::log(static_cast<double>(seen)), 1e-6);
+        }
+    }
+  }
+}
+
+// A NaN score makes its row of P and O NaN, and its lse, as native's softmax does (its row
+// maximum propagates NaN); the CPU kernels' maximum skipped NaN and gave zeros instead.
+TEST(ForwardSemantics, NanScoreGivesNanRow) {
+  for (DType dt : {DType::Float32, DType::Float16, DType::BFloat16}) {
+    Case c;
+    c.dtype = dt;
+    c.batch = {1};
+    c.L = 5;
+    c.S = 37;  // a full 16-lane block and a tail
+    Built b = build(c);
+    std::vector<double> q = read(b.q.view);
+    q[(1 * 5 + 3) * 8 + 2] = std::numeric_limits<double>::quiet_NaN();  // head 1, row 3
+    write(b.q.view, q);
+    for (Backend be : {Backend::Reference, Backend::Cpu}) {
+      Outputs r = run(be, b.args, DType::Float32, DType::Float32);
+      std::vector<double> P = read(r.p.view), O = read(r.o.view), lse = read(r.lse.view);
+      for (int64_t h = 0; h < 2; ++h)
+        for (int64_t i = 0; i < 5; ++i) {
+          const bool nan_row = h == 1 && i == 3;
+          for (int64_t j = 0; j < 37; ++j) EXPECT_EQ(std::isnan(P[(h * 5 + i) * 37 + j]), nan_row) << h << " " << i;
+          for (int64_t e = 0; e < 8; ++e) EXPECT_EQ(std::isnan(O[(h * 5 + i) * 8 + e]), nan_row) << h << " " << i;
+          EXPECT_EQ(std::isnan(lse[h * 5 + i]), nan_row) << h << " " << i;
+        }
+    }
+  }
+}
+
 class CpuForward : public ::testing::TestWithParam<Case> {};
 
 TEST_P(CpuForward, MatchesReference) {

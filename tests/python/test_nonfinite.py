@@ -1,0 +1,160 @@
+"""NaN scores and a zero head size, on the CPU, against PyTorch's math op.
+
+- A NaN logit in a row (from Q, K, or a float mask, with causal or other masked keys too) makes
+  that row of P and O NaN, and its lse NaN, as the math op's softmax does; other rows are
+  untouched. float64 runs the float64 reference, the other dtypes the CPU kernels (whose row
+  maximum skipped NaN: the row came out as zeros, or as fully masked, before).
+- E = 0 (query/key head size zero): every score is an empty sum, 0, so P is uniform over the
+  unmasked keys and O = P V, as the math op gives. The default scale 1/sqrt(0) = inf made
+  0 * inf a NaN and every row read as fully masked (P = O = 0) before.
+
+Not matched, deliberately: a NaN score at a key the row does not attend to (causal-hidden, or a
+bool-mask False) is ignored here; the math op adds -inf to it and gets NaN for the whole row.
+"""
+import math
+
+import pytest
+import torch
+
+import sdpa_math
+from cases import FORWARD_TOL
+
+aten_math = torch.ops.aten._scaled_dot_product_attention_math
+DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
+IDS = lambda d: str(d).split(".")[-1]  # noqa: E731
+NAN = float("nan")
+
+
+def _qkv(dtype, E=8, L=5, S=7, Ev=6):
+    g = torch.Generator().manual_seed(3)
+    return (torch.randn(2, 3, L, E, generator=g).to(dtype), torch.randn(2, 3, S, E, generator=g).to(dtype),
+            torch.randn(2, 3, S, Ev, generator=g).to(dtype))
+
+
+def _nan_case(name, dtype):
+    """(q, k, v, mask, causal, rows): `rows` (b, h, i) are the rows the math op makes NaN."""
+    q, k, v = _qkv(dtype)
+    mask, causal = None, False
+    if name == "query_element":  # one row's scores all NaN
+        q[1, 2, 3, 0] = NAN
+    elif name == "key_element":  # one column of every row of a head
+        k[0, 1, 4, 5] = NAN
+    elif name == "float_mask_element":  # one score of one row, every head
+        mask = torch.zeros(5, 7, dtype=dtype)
+        mask[2, 6] = NAN
+    elif name == "nan_among_masked":  # the row's only other keys are -inf
+        mask = torch.full((5, 7), -math.inf, dtype=dtype)
+        mask[:, 0] = 0.0
+        mask[4, 1] = NAN
+    elif name == "causal_query_row":  # causal: the NaN row still NaN over the keys it cannot see
+        q[0, 0, 1, 2] = NAN
+        causal = True
+    elif name == "causal_visible_key":  # key 0, seen by every row of one head
+        k[1, 1, 0, 0] = NAN
+        causal = True
+    return q, k, v, mask, causal
+
+
+NAN_CASES = ["query_element", "key_element", "float_mask_element", "nan_among_masked", "causal_query_row",
+             "causal_visible_key"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("name", NAN_CASES)
+def test_nan_score_gives_nan_row_like_the_math_op(name, dtype):
+    q, k, v, mask, causal = _nan_case(name, dtype)
+    out, probs, lse = sdpa_math.attention_with_lse(q, k, v, mask, is_causal=causal)
+    # Native in float32 for the half types (it computes in float32 too), on the same inputs.
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    ref_out, ref_probs = aten_math(q.to(wide), k.to(wide), v.to(wide), attn_mask=None if mask is None else mask.to(wide),
+                                   is_causal=causal)
+    nan_rows = ref_probs.isnan().any(-1)
+    assert nan_rows.any() and not nan_rows.all()  # the case does what it says
+    assert torch.equal(probs.isnan(), ref_probs.isnan())
+    assert torch.equal(out.isnan(), ref_out.isnan())
+    assert probs[nan_rows].isnan().all() and out[nan_rows].isnan().all()
+    assert torch.equal(lse.isnan(), nan_rows), "lse is NaN exactly on the NaN rows"
+    rtol, atol = FORWARD_TOL[dtype]
+    torch.testing.assert_close(probs.to(wide), ref_probs, rtol=rtol, atol=atol, equal_nan=True)
+    torch.testing.assert_close(out.to(wide), ref_out, rtol=rtol, atol=atol * 40, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_nan_row_gradients_are_nan_where_the_math_ops_are(dtype):
+    q, k, v, _, _ = _nan_case("query_element", dtype)
+    grads = []
+    for f in (lambda a, b, c: aten_math(a, b, c), lambda a, b, c: sdpa_math.attention(a, b, c)):
+        a, b, c = (x.clone().requires_grad_(True) for x in (q, k, v))
+        out, probs = f(a, b, c)
+        grads.append(torch.autograd.grad(out.sum() + probs.sum(), (a, b, c)))
+    for ours, ref in zip(grads[1], grads[0]):
+        assert ref.isnan().any()
+        assert torch.equal(ours.isnan(), ref.isnan())
+
+
+E0_CASES = ["plain", "causal", "float_mask", "bool_mask", "explicit_scale"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("name", E0_CASES)
+def test_head_size_zero_like_the_math_op(name, dtype):
+    q, k, v = _qkv(dtype, E=0)
+    L, S = q.shape[-2], k.shape[-2]
+    mask, causal, scale = None, False, None
+    if name == "causal":
+        causal = True
+    elif name == "float_mask":
+        mask = torch.randn(L, S).to(dtype)
+        mask[:, 1] = -math.inf
+    elif name == "bool_mask":
+        mask = torch.rand(L, S, generator=torch.Generator().manual_seed(1)) > 0.4
+        mask[:, 0] = True
+    elif name == "explicit_scale":
+        scale = 0.3
+    out, probs, lse = sdpa_math.attention_with_lse(q, k, v, mask, is_causal=causal, scale=scale)
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    # The public API's bool mask is True = attend; native's direct call adds 0/1, so give it -inf.
+    ref_mask = None
+    if mask is not None:
+        ref_mask = torch.zeros(L, S, dtype=wide).masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else mask.to(wide)
+    ref_out, ref_probs = aten_math(q.to(wide), k.to(wide), v.to(wide), attn_mask=ref_mask, is_causal=causal, scale=scale)
+    assert not probs.isnan().any() and not out.isnan().any() and not lse.isnan().any()
+    rtol, atol = FORWARD_TOL[dtype]
+    torch.testing.assert_close(probs.to(wide), ref_probs, rtol=rtol, atol=atol)
+    torch.testing.assert_close(out.to(wide), ref_out, rtol=rtol, atol=atol * 40)
+    # Scores are 0 (plus the mask), so lse = log sum exp(mask) over the row.
+    logits = torch.zeros(L, S, dtype=torch.float64)
+    if ref_mask is not None:
+        logits = logits + ref_mask.to(torch.float64)
+    if causal:
+        logits = logits.masked_fill(torch.ones(L, S, dtype=torch.bool).triu(1), -math.inf)
+    torch.testing.assert_close(lse.to(torch.float64), torch.logsumexp(logits, -1).expand_as(lse), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=IDS)
+def test_head_size_zero_gradients_like_the_math_op(dtype):
+    q, k, v = _qkv(dtype, E=0)
+    grads = []
+    for f in (lambda a, b, c: aten_math(a, b, c), lambda a, b, c: sdpa_math.attention(a, b, c)):
+        a, b, c = (x.clone().requires_grad_(True) for x in (q, k, v))
+        out, probs = f(a, b, c)
+        grads.append(torch.autograd.grad((out * out).sum() + probs.sum(), (a, b, c)))
+    for ours, ref in zip(grads[1], grads[0]):
+        assert ours.shape == ref.shape and not ours.isnan().any()
+        torch.testing.assert_close(ours, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("how", ["causal", "bool_mask"])
+def test_nan_at_a_key_the_row_does_not_attend_to_is_ignored(how, dtype):
+    """The one deliberate difference (module docstring): the math op gets NaN + (-inf) = NaN for
+    such a key and a NaN row; here a key a row does not attend to takes no part in it."""
+    q, k, v = _qkv(dtype)
+    k[0, 0, 6, 1] = NAN  # the last key: hidden from rows 0..4 under causal (L = 5, S = 7)
+    mask = None
+    if how == "bool_mask":
+        mask = torch.ones(5, 7, dtype=torch.bool)
+        mask[:, 6] = False
+    out, probs, lse = sdpa_math.attention_with_lse(q, k, v, mask, is_causal=how == "causal")
+    assert not probs.isnan().any() and not out.isnan().any() and not lse.isnan().any()
+    assert (probs[..., 6] == 0).all()
