@@ -1,6 +1,7 @@
 // The PyTorch binding: every sdpa_math op's schema, and the CPU kernels that turn at::Tensors into
 // core tensor views. Autograd, fake kernels and the aten override live in Python (python/sdpa_math).
 #include <ATen/ATen.h>
+#include <ATen/DeviceGuard.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #ifdef SDPA_MATH_WITH_CUDA
@@ -123,11 +124,16 @@ sdpa_math::CudaExecution cuda_execution(const at::Tensor& q) {
   return ex;
 }
 
+// on_tensors_device: custom ops get no device guard from the dispatcher, so each kernel sets the
+// tensors' device with PyTorch's guard. It restores the caller's device the way PyTorch does,
+// without a cudaSetDevice that would create a context on a device the caller never used (all work
+// on cuda:1 with cuda:0 current); the core's own guard then finds the device already current.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_kernel(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask,
     double dropout_p, bool is_causal, const std::optional<at::Tensor>& dropout_mask, std::optional<double> scale,
     bool enable_gqa, int64_t seed, int64_t offset) {
   return checked([&] {
+    const at::OptionalDeviceGuard guard(at::device_of(q));  // see on_tensors_device
     const sdpa_math::ForwardArgs a = forward_args(q, k, v, mask, dropout_p, is_causal, dropout_mask, scale, enable_gqa, seed, offset);
     const sdpa_math::ForwardShapes s = sdpa_math::forward_shapes(a);
     at::Tensor out = at::empty(dims(s.output), q.options());
@@ -150,6 +156,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_kernel(
     const std::optional<at::Tensor>& output, const std::optional<at::Tensor>& attn_probs, double dropout_p, bool is_causal, const std::optional<at::Tensor>& dropout_mask, std::optional<double> scale,
     bool enable_gqa, int64_t seed, int64_t offset, std::array<bool, 4> output_mask) {
   return checked([&] {
+    const at::OptionalDeviceGuard guard(at::device_of(q));  // see on_tensors_device
     sdpa_math::BackwardArgs a;
     a.forward = forward_args(q, k, v, mask, dropout_p, is_causal, dropout_mask, scale, enable_gqa, seed, offset);
     a.logsumexp = view_of(logsumexp);
