@@ -23,10 +23,6 @@ SDPA_MATH_D float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
   return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
 }
-SDPA_MATH_D float quad_sum(float x) {
-  x += __shfl_xor_sync(0xffffffffu, x, 1);
-  return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
 
 // The warp's Q fragments for every 16-column chunk of the head: held in registers for the
 // whole key sweep where they fit (head tile <= 128), else reloaded per chunk.

@@ -64,6 +64,11 @@ SDPA_MATH_D uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
   const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&h);
 }
+// The sum over the quad of lanes that holds one row of an m16n8 (or wgmma) accumulator.
+SDPA_MATH_D float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
 // 2^x on the special-function unit (relative error ~2^-22; 2^-inf = 0).
 SDPA_MATH_D float fast_exp2(float x) {
   float y;

@@ -82,10 +82,6 @@ SDPA_MATH_D float quad_max_nan(float x) {
   x = max_nan(x, __shfl_xor_sync(0xffffffffu, x, 1));
   return max_nan(x, __shfl_xor_sync(0xffffffffu, x, 2));
 }
-SDPA_MATH_D float quad_sum(float x) {
-  x += __shfl_xor_sync(0xffffffffu, x, 1);
-  return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
 
 // Max over this thread's elements of accumulator row r (s[4n + 2r], s[4n + 2r + 1]) as a tree,
 // not a 32-long chain of dependent instructions.
@@ -197,24 +193,22 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int b = 0; b < C::kBlocks; ++b)
         tma_load_5d(sQ + b * kBM * 64, &tm_q, q_full, b * 64, static_cast<int>(i0), cq[0], cq[1], cq[2]);
-      // Use n of a ring's stage s waits for the n-th release (parity n & 1 ^ 1: the first is free).
+      // Tile nt of a map into the next stage of a ring: use n of a stage waits for the n-th
+      // release of it (parity (n & 1) ^ 1: the first use finds it free).
+      auto produce = [&](T* ring, const CUtensorMap* map, uint64_t* full_bars, uint64_t* empty_bars, int stages,
+                         int& use, int nt, const int (&c)[3]) {
+        const int st = use % stages;
+        mbar_wait(&empty_bars[st], ((use++ / stages) & 1) ^ 1);
+        mbar_arrive_expect_tx(&full_bars[st], C::kKVBytes);
+#pragma unroll
+        for (int b = 0; b < C::kBlocks; ++b)
+          tma_load_5d(ring + st * kBN * D + b * kBN * 64, map, &full_bars[st], b * 64, nt * kBN, c[0], c[1], c[2]);
+      };
       int kt = 0, vt = 0;
       for (int pass = 0; pass < 2; ++pass)
         for (int nt = 0; nt < n_tiles; ++nt) {
-          const int ks = kt % C::kKStages;
-          mbar_wait(&k_empty[ks], ((kt++ / C::kKStages) & 1) ^ 1);
-          mbar_arrive_expect_tx(&k_full[ks], C::kKVBytes);
-#pragma unroll
-          for (int b = 0; b < C::kBlocks; ++b)
-            tma_load_5d(sK + ks * kBN * D + b * kBN * 64, &tm_k, &k_full[ks], b * 64, nt * kBN, ck[0], ck[1], ck[2]);
-          if (pass == 1) {
-            const int vs = vt % C::kVStages;
-            mbar_wait(&v_empty[vs], ((vt++ / C::kVStages) & 1) ^ 1);
-            mbar_arrive_expect_tx(&v_full[vs], C::kKVBytes);
-#pragma unroll
-            for (int b = 0; b < C::kBlocks; ++b)
-              tma_load_5d(sV + vs * kBN * D + b * kBN * 64, &tm_v, &v_full[vs], b * 64, nt * kBN, cv[0], cv[1], cv[2]);
-          }
+          produce(sK, &tm_k, k_full, k_empty, C::kKStages, kt, nt, ck);
+          if (pass == 1) produce(sV, &tm_v, v_full, v_empty, C::kVStages, vt, nt, cv);
         }
     }
     return;
