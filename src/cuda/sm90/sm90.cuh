@@ -14,7 +14,9 @@ bool device_supported();
 
 // The forward on warpgroup products fed by TMA (forward_sm90.cu): fp16/bf16, head sizes up to
 // 128 (E and Ev padded alike to 64 or 128, multiples of 8), rows unit-stride with 16-byte-aligned
-// strides (contiguous and transposed (B, L, H, E) views alike), any masks, causal, GQA; no dropout.
+// strides (contiguous and transposed (B, L, H, E) views alike), an even key count, P and O in the
+// inputs' dtype and lse in fp32 (as the binding allocates them), causal, GQA, and masks that are
+// bool, of the inputs' dtype or fp32 with pair-aligned rows (any broadcast); no dropout.
 bool forward_applies(const DevProblem& p);
 // Runs it; false when the layout cannot be described to the TMA unit (nothing was launched).
 bool forward(const DevProblem& p, cudaStream_t stream);
