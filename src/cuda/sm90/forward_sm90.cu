@@ -23,6 +23,7 @@
 #include "../mma.cuh"
 #include "hopper.cuh"
 #include "sm90.cuh"
+#include "tensor_maps.cuh"
 
 namespace sdpa_math::cuda::sm90 {
 namespace {
@@ -48,14 +49,6 @@ struct Tiles {
   static constexpr size_t kSmem = 1024 + kQBytes + (kKStages + kVStages) * kKVBytes + 2 * kPBytes + 8 * kBarriers;
 };
 
-// How the producer turns a lead index into a tensor map's coordinates on dims 2..4: coordinate k
-// is (lead / div[k]) % mod[k] / group[k] (the output lead dim that map dim follows; GQA's group
-// on the head dim), so no per-dim array is indexed at run time.
-struct MapCoords {
-  int n = 0;
-  int64_t div[3] = {1, 1, 1}, mod[3] = {1, 1, 1}, group[3] = {1, 1, 1};
-};
-
 struct Args {
   MapCoords q, k, v, p;
   bool p_tma;   // P leaves through shared memory and TMA stores (rows 16-byte aligned), else
@@ -66,11 +59,6 @@ struct Args {
   float scale;       // the scale in fp32, and times log2 e (unmasked scores are in base-2 units)
   float scale_log2;
 };
-
-SDPA_MATH_D void map_coords(const MapCoords& mc, int64_t lead, int (&c)[3]) {
-#pragma unroll
-  for (int k = 0; k < 3; ++k) c[k] = static_cast<int>((lead / mc.div[k]) % mc.mod[k] / mc.group[k]);
-}
 
 // Row max with NaN propagation (fmaxf drops NaN; the math op's softmax does not).
 SDPA_MATH_D float max_nan(float a, float b) {
@@ -284,7 +272,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       const int b = kk / 4, off = (kk % 4) * 16;
-      Wgmma<T, kBN>::template ss<0>(s, desc_sw128(q_rows + b * kBM * 64 + off, 16, 1024),
+      Wgmma<T, kBN>::template ss<0, 0>(s, desc_sw128(q_rows + b * kBM * 64 + off, 16, 1024),
                                     desc_sw128(k_tile + b * kBN * 64 + off, 16, 1024), kk > 0);
     }
     wgmma_commit();
@@ -466,60 +454,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // ---- host side --------------------------------------------------------------------------------
 
-using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-// The driver's tensor-map encoder, found through the runtime (no link against libcuda).
-EncodeTiled encoder() {
-  static const EncodeTiled fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &found) != cudaSuccess ||
-        found != cudaDriverEntryPointSuccess)
-      return EncodeTiled{nullptr};
-    return reinterpret_cast<EncodeTiled>(f);
-  }();
-  return fn;
-}
-
-// A 5-D map of one 16-bit operand: {cols, rows, up to three lead dims it does not broadcast
-// over}, boxes of {64, box_rows} with the 128-byte swizzle. False when TMA cannot address it.
-bool make_map(CUtensorMap* map, const DevProblem& p, const DevOperand& op, int64_t rows, int64_t cols, int box_rows,
-              MapCoords& mc) {
-  EncodeTiled encode = encoder();
-  if (encode == nullptr || op.col != 1 || reinterpret_cast<uintptr_t>(op.data) % 16 != 0) return false;
-  cuuint64_t dims[5] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows), 1, 1, 1};
-  cuuint64_t strides[4] = {static_cast<cuuint64_t>(op.row) * 2, 0, 0, 0};
-  mc = MapCoords{};
-  int64_t inner = 1;  // product of the lead dims inside d
-  for (int d = p.lead_ndim - 1; d >= 0; inner *= p.lead_shape[d--]) {
-    if (op.lead[d] == 0 || p.lead_shape[d] == 1) continue;
-    if (mc.n == 3) return false;
-    const int64_t group = d == p.lead_ndim - 1 ? op.head_group : 1;
-    dims[2 + mc.n] = static_cast<cuuint64_t>(p.lead_shape[d] / group);
-    strides[1 + mc.n] = static_cast<cuuint64_t>(op.lead[d]) * 2;
-    mc.div[mc.n] = inner;
-    mc.mod[mc.n] = p.lead_shape[d];
-    mc.group[mc.n++] = group;
-  }
-  cuuint64_t widest = 16;
-  for (int k = 0; k < 1 + mc.n; ++k) widest = std::max(widest, strides[k]);
-  for (int k = 1 + mc.n; k < 4; ++k) strides[k] = widest;  // dims of size 1: any valid stride
-  for (int k = 0; k < 4; ++k)
-    if (strides[k] == 0 || strides[k] % 16 != 0 || strides[k] >= (cuuint64_t(1) << 40)) return false;
-  for (int k = 0; k < 5; ++k)
-    if (dims[k] == 0 || dims[k] > (cuuint64_t(1) << 31)) return false;
-  const cuuint32_t box[5] = {64, static_cast<cuuint32_t>(box_rows), 1, 1, 1};
-  const cuuint32_t unit[5] = {1, 1, 1, 1, 1};
-  const auto type = op.dtype == DType::Float16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-  return encode(map, type, 5, op.data, dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
-
-int64_t padded_head(int64_t e) { return e <= 64 ? 64 : 128; }
-
 template <typename T, int D, MaskKind MASK>
 void launch(const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& v, const CUtensorMap& pm,
             const DevProblem& p, const Args& a, cudaStream_t stream) {
@@ -572,27 +506,6 @@ bool forward_for(const DevProblem& p, cudaStream_t stream) {
 }
 
 }  // namespace
-
-bool device_supported() {
-  // SDPA_MATH_SM90=0 turns the Hopper kernels off (the mma.sync path runs instead): for
-  // side-by-side measurements and for telling a kernel's fault from its neighbours'.
-  static const bool disabled = [] {
-    const char* env = std::getenv("SDPA_MATH_SM90");
-    return env != nullptr && env[0] == '0';
-  }();
-  if (disabled) return false;
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return false;
-  static int cached[64] = {};  // 0 unknown, 1 yes, 2 no
-  if (device < 0 || device >= 64) return false;
-  if (cached[device] == 0) {
-    int major = 0, minor = 0;
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-    cached[device] = major == 9 && minor == 0 ? 1 : 2;
-  }
-  return cached[device] == 1;
-}
 
 bool forward_applies(const DevProblem& p) {
   if (p.q.dtype != DType::Float16 && p.q.dtype != DType::BFloat16) return false;
