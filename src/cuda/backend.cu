@@ -174,6 +174,19 @@ void backward_with(const core::Problem& p, DevProblem& dp, const BackwardOutputs
   if constexpr (std::is_same_v<Acc, float>) {  // fp32 on cuBLAS where the layout allows
     if (gemm_backward(p, dp, out, [&](int64_t n) { return scratch.uninitialized<float>(n); }, stream)) return;
   }
+#ifdef SDPA_MATH_WITH_SM90
+  // Hopper, from the saved P: it stores the gradients itself, so they must be contiguous in the
+  // inputs' dtype (as the binding allocates them); the decode shapes keep their own kernel.
+  if constexpr (std::is_same_v<Acc, float>) {
+    auto direct = [&](const std::optional<TensorView>& v) { return !v || (v->dtype == p.dtype && v->is_contiguous()); };
+    if (!out.grad_attn_mask && direct(out.grad_query) && direct(out.grad_key) && direct(out.grad_value) &&
+        !decode_backward_applies(dp) && sm90::backward_applies(dp)) {
+      auto data = [](const std::optional<TensorView>& v) -> void* { return v && v->numel() > 0 ? v->data : nullptr; };
+      const sm90::BackwardTargets targets{data(out.grad_query), data(out.grad_key), data(out.grad_value)};
+      if (sm90::backward(dp, targets, scratch.zeros<float>(sm90::backward_workspace_floats(dp)), stream)) return;
+    }
+  }
+#endif
   BackwardBuffers<Acc> g;
   // Accumulators exist (zeroed) for every requested gradient, even when no element adds to it.
   auto buffer_for = [&](const std::optional<TensorView>& v) -> Acc* {

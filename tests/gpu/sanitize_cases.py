@@ -43,6 +43,7 @@ def main():
         run(dtype, 1, 2, 2, 70, 133, 64, 64)                               # sm90 on Hopper
         run(dtype, 2, 4, 2, 130, 200, 80, 80, blhe=True, causal=True)      # sm90: views, GQA, causal
         run(dtype, 2, 2, 2, 129, 140, 128, 96, mask="bool", blhe=True)     # sm90: bool mask, Ev != E
+        run(dtype, 1, 3, 1, 100, 1100, 64, 64)                             # sm90 backward: P rows not 16-byte aligned
         run(dtype, 1, 2, 2, 65, 65, 128, 128, causal=True)
         run(dtype, 2, 4, 2, 33, 47, 96, 96, mask="float")
         run(dtype, 1, 2, 2, 17, 90, 256, 256, mask="bool", dropout=0.2)

@@ -1,6 +1,7 @@
-"""The Hopper forward is built from Hopper's own instructions: its sm_90a machine code in the
-installed extension holds warpgroup products (HGMMA, not the mma.sync HMMA), TMA loads and
-stores, and keeps the unmasked kernels' registers out of local memory.
+"""The Hopper forward and backward are built from Hopper's own instructions: their sm_90a machine
+code in the installed extension holds warpgroup products (HGMMA, not the mma.sync HMMA) and TMA
+loads (and stores), and keeps the unmasked forward's and every backward's registers out of local
+memory.
 
 Runs wherever the extension was built with the CUDA backend for 90a (CI builds it: nvcc is there),
 with cuobjdump from the CUDA toolkit or the copy Triton ships; no GPU needed.
@@ -43,14 +44,21 @@ def sm90_functions():
     functions = {}
     for block in re.split(r"\n\s*Function : ", sass)[1:]:
         name, body = block.split("\n", 1)
-        if "forward_sm90" in name:
+        if "forward_sm90" in name or "backward_sm90" in name:
             functions[name.strip()] = body
     return functions
 
 
+@pytest.fixture(scope="module")
+def sm90_backward(sm90_functions):
+    # The kernel itself, not its helpers (whose mangled names hold the file's, backward_sm90_cu).
+    return {n: b for n, b in sm90_functions.items() if re.search(r"\d+backward_sm90I", n)}
+
+
 def test_every_sm90_forward_kernel_uses_hgmma_and_tma(sm90_functions):
-    assert len(sm90_functions) == 16  # fp16/bf16 x head 64/128 x no mask, bool, same dtype, fp32
-    for name, body in sm90_functions.items():
+    forward = {n: b for n, b in sm90_functions.items() if "forward_sm90" in n}
+    assert len(forward) == 16  # fp16/bf16 x head 64/128 x no mask, bool, same dtype, fp32
+    for name, body in forward.items():
         assert re.search(r"\bHGMMA\.64x128x16\.F32", body), name
         assert "UTMALDG" in body and "UTMASTG" in body, name
         assert not re.search(r"\bHMMA\b", body), name
@@ -61,4 +69,15 @@ def test_unmasked_sm90_forward_keeps_registers_out_of_local_memory(sm90_function
     unmasked = {n: b for n, b in sm90_functions.items() if "MaskKindE0E" in n}
     assert len(unmasked) == 4
     for name, body in unmasked.items():
+        assert not re.search(r"\b(LDL|STL)\b", body), name
+
+
+def test_every_sm90_backward_kernel_uses_hgmma_tma_and_vector_reductions(sm90_backward):
+    assert len(sm90_backward) == 8  # fp16/bf16 x head 64/128 x with or without dO
+    for name, body in sm90_backward.items():
+        # dK += dSᵀ Q reads dS transposed from shared memory; dQ's partial sums leave as 16-byte
+        # reductions; no mma.sync and no local memory.
+        assert re.search(r"\bHGMMA\.64x(64|128)x16\.F32[^\n]*tnspA", body), name
+        assert "UTMALDG" in body and "REDG.E.ADD.F32x4" in body, name
+        assert not re.search(r"\bHMMA\b", body), name
         assert not re.search(r"\b(LDL|STL)\b", body), name

@@ -21,4 +21,20 @@ bool forward_applies(const DevProblem& p);
 // Runs it; false when the layout cannot be described to the TMA unit (nothing was launched).
 bool forward(const DevProblem& p, cudaStream_t stream);
 
+// Where the backward writes: contiguous gradients of q, k, v in the inputs' dtype (their own
+// shapes), nullptr for one not wanted.
+struct BackwardTargets {
+  void* dq = nullptr;
+  void* dk = nullptr;
+  void* dv = nullptr;
+};
+// The backward from the saved P (backward_sm90.cu): fp16/bf16 without dropout, P given (dO and
+// O, dP: either or both), head sizes as the forward, no mask gradient, q/k/v not broadcast over
+// lead dims other than GQA's group; every operand TMA-addressable (else backward returns false).
+bool backward_applies(const DevProblem& p);
+// fp32 workspace it needs, zeroed by the caller: delta per query row, then dQ's accumulator.
+int64_t backward_workspace_floats(const DevProblem& p);
+int64_t backward_delta_floats(const DevProblem& p);
+bool backward(const DevProblem& p, const BackwardTargets& out, float* workspace, cudaStream_t stream);
+
 }  // namespace sdpa_math::cuda::sm90

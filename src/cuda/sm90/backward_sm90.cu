@@ -1,0 +1,500 @@
+// The Hopper backward (fp16/bf16) from the forward's saved P, without dropout. With
+// dP_total = dO Vᵀ + dP_ext and delta_i = Σ_j P_ij dP_total,ij = dO_i · O_i + Σ_j P_ij dP_ext,ij:
+//   dS = P ∘ (dP_total − delta),  dV = Pᵀ dO,  dK = scale · dSᵀ Q,  dQ = scale · dS K,
+// four products of L·S·E each; P is read, never recomputed, so masks and causality are already in
+// it (hidden entries are 0) and only decide which tiles can be skipped.
+//
+// Kernels, in order:
+//   1. delta_rows: delta per query row, one warp per row (one pass over P and dP_ext when dP is
+//      given, which the key-major main kernel cannot fold in: it needs whole rows);
+//   2. backward_sm90: per CTA 128 keys of one key head (consumer warpgroup w owns keys 64w..64w+63)
+//      and every query head of its GQA group. The producer warpgroup's one thread loads K and V
+//      once and then, per 64-row query tile, Q, dO, P and dP_ext through TMA into a ring of stages.
+//      Per tile each consumer warpgroup forms dPᵀ-free products in its own 64 keys:
+//        dP_w = dO V_wᵀ (both operands in shared memory), dV_w += P_wᵀ dO (P read MN-major),
+//        dS_w = P_w ∘ (dP_w + dP_ext,w − delta) to shared memory in the inputs' dtype,
+//        dK_w += dS_wᵀ Q (dS MN-major),
+//      and, once both warpgroups' dS are in shared memory, dQ over all 128 keys for its half of the
+//      head's columns, added to an fp32 accumulator with 16-byte reductions (red.global.add.v4).
+//      dK and dV live in registers for the whole sweep and are stored once: no atomics, and GQA's
+//      sum over the group happens in the loop;
+//   3. dq_from_fragments: dQ's accumulator (kept in the products' fragment order, so the
+//      reductions are contiguous) times scale, to the gradient.
+// dQ's reductions make its low bits depend on the order the CTAs finish (like FlashAttention's);
+// dK and dV are deterministic.
+#include <cudaTypedefs.h>
+
+#include "../launch.cuh"
+#include "../mma.cuh"
+#include "hopper.cuh"
+#include "sm90.cuh"
+#include "tensor_maps.cuh"
+
+namespace sdpa_math::cuda::sm90 {
+namespace {
+
+constexpr int kBM = 64;         // query rows per step
+constexpr int kBN = 128;        // keys per CTA
+constexpr int kThreads = 384;   // producer warpgroup + two consumer warpgroups
+constexpr int kConsumerWarps = 8;
+constexpr int kProducerRegs = 40;
+constexpr int kConsumerRegs = 232;  // 128 * 40 + 256 * 232 <= 65536
+
+// Shared memory: K and V of the CTA's keys (D/64 column blocks of [128][64] each); a ring of
+// stages, each one query tile's Q and dO ([64][64] blocks) and P and dP_ext ([64 rows][64 keys]
+// blocks, block w = warpgroup w's keys); dS, double-buffered, one [64][64] block per warpgroup.
+template <int D>
+struct Tiles {
+  static constexpr int kStages = D == 64 ? 3 : 2;
+  static constexpr int kRowTileBytes = kBM * D * 2;  // Q or dO
+  static constexpr int kMapTileBytes = kBM * kBN * 2;  // P or dP_ext
+  static constexpr int kKVBytes = kBN * D * 2;       // K or V
+  static constexpr int kStageBytes = 2 * kRowTileBytes + 2 * kMapTileBytes;
+  static constexpr int kDsBlockBytes = kBM * 64 * 2;
+  static constexpr int kBarriers = 2 * kStages + 1;
+  static constexpr size_t kSmem = 1024 + 2 * kKVBytes + kStages * kStageBytes + 4 * kDsBlockBytes + 8 * kBarriers;
+};
+
+struct Args {
+  MapCoords q, k, v, dout, p, dp;
+  int64_t group;     // query heads per key head (GQA), else 1
+  int64_t heads;     // query heads (the last lead dim; 1 without lead dims)
+  int64_t kv_leads;  // num_lead / group
+  int64_t q_tiles;   // ceil(L / 64)
+  bool has_do, has_dp;
+  bool p_tma;        // P and dP_ext come through TMA (rows 16-byte aligned: S % 8 == 0), else the
+                     // consumers load them as 4-byte pairs and put P into the stage themselves
+  float scale;
+  const float* delta;
+  float* dq_acc;     // q_tiles * 64 * D floats per lead index, fragment order
+  void* dk;          // contiguous gradients in the inputs' dtype, or nullptr when not wanted
+  void* dv;
+};
+
+// The lead index of query head gi of key head `kv` (GQA groups consecutive query heads).
+SDPA_MATH_HD int64_t query_lead(const Args& a, int64_t kv, int64_t gi) {
+  if (a.group == 1) return kv;
+  const int64_t kv_heads = a.heads / a.group;
+  return (kv / kv_heads) * a.heads + (kv % kv_heads) * a.group + gi;
+}
+
+SDPA_MATH_D void red_add4(float* dst, float a, float b, float c, float d) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+}
+
+template <typename T>
+SDPA_MATH_D float2 unpack2(uint32_t raw) {
+  const T* h = reinterpret_cast<const T*>(&raw);
+  return make_float2(to_float<T>(h[0]), to_float<T>(h[1]));
+}
+
+// HAS_DO: dO given (a compile-time choice: a run-time branch around the dP and dV products makes
+// ptxas serialise every wgmma of the kernel).
+template <typename T, int D, bool HAS_DO>
+__global__ void __launch_bounds__(kThreads, 1)
+    backward_sm90(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                  const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_do,
+                  const __grid_constant__ CUtensorMap tm_p, const __grid_constant__ CUtensorMap tm_dp,
+                  const DevProblem p, const Args a) {
+  using C = Tiles<D>;
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* base = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  T* sK = reinterpret_cast<T*>(base);
+  T* sV = sK + kBN * D;
+  unsigned char* stages = base + 2 * C::kKVBytes;
+  T* sDS = reinterpret_cast<T*>(stages + C::kStages * C::kStageBytes);  // [buffer][warpgroup][64][64]
+  uint64_t* full = reinterpret_cast<uint64_t*>(sDS + 4 * kBM * 64);
+  uint64_t* empty = full + C::kStages;
+  uint64_t* kv_full = empty + C::kStages;
+  auto stage_q = [&](int st) { return reinterpret_cast<T*>(stages + st * C::kStageBytes); };
+  auto stage_do = [&](int st) { return reinterpret_cast<T*>(stages + st * C::kStageBytes + C::kRowTileBytes); };
+  auto stage_p = [&](int st) { return reinterpret_cast<T*>(stages + st * C::kStageBytes + 2 * C::kRowTileBytes); };
+  auto stage_dp = [&](int st) {
+    return reinterpret_cast<T*>(stages + st * C::kStageBytes + 2 * C::kRowTileBytes + C::kMapTileBytes);
+  };
+
+  // Key blocks in order, each over every key head: causal blocks with the most query rows first.
+  const int64_t kv = blockIdx.x % a.kv_leads;
+  const int64_t j0 = static_cast<int64_t>(blockIdx.x / a.kv_leads) * kBN;
+  // Causal (top-left): rows i < j0 see none of these keys; their P is 0 here.
+  const int64_t t_first = p.causal ? j0 / kBM : 0;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < C::kStages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], kConsumerWarps);
+    }
+    mbar_init(kv_full, 1);
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  const int wg = threadIdx.x / 128;
+  if (wg == 0) {  // producer
+    regs_release<kProducerRegs>();
+    if (threadIdx.x == 0) {
+      prefetch_tensor_map(&tm_q);
+      prefetch_tensor_map(&tm_p);
+      int c[3];
+      map_coords(a.k, query_lead(a, kv, 0), c);
+      mbar_arrive_expect_tx(kv_full, 2 * C::kKVBytes);
+#pragma unroll
+      for (int b = 0; b < D / 64; ++b) tma_load_5d(sK + b * kBN * 64, &tm_k, kv_full, b * 64, static_cast<int>(j0), c[0], c[1], c[2]);
+      map_coords(a.v, query_lead(a, kv, 0), c);
+#pragma unroll
+      for (int b = 0; b < D / 64; ++b) tma_load_5d(sV + b * kBN * 64, &tm_v, kv_full, b * 64, static_cast<int>(j0), c[0], c[1], c[2]);
+      const uint32_t bytes =
+          C::kRowTileBytes * (a.has_do ? 2 : 1) + (a.p_tma ? C::kMapTileBytes * (a.has_dp ? 2 : 1) : 0);
+      int use = 0;
+      for (int64_t gi = 0; gi < a.group; ++gi) {
+        const int64_t lead = query_lead(a, kv, gi);
+        int cq[3], cdo[3], cp[3], cdp[3];
+        map_coords(a.q, lead, cq);
+        map_coords(a.dout, lead, cdo);
+        map_coords(a.p, lead, cp);
+        map_coords(a.dp, lead, cdp);
+        for (int64_t qt = t_first; qt < a.q_tiles; ++qt, ++use) {
+          const int st = use % C::kStages;
+          mbar_wait(&empty[st], ((use / C::kStages) & 1) ^ 1);  // the first use finds it free
+          mbar_arrive_expect_tx(&full[st], bytes);
+          const int i0 = static_cast<int>(qt * kBM);
+#pragma unroll
+          for (int b = 0; b < D / 64; ++b) {
+            tma_load_5d(stage_q(st) + b * kBM * 64, &tm_q, &full[st], b * 64, i0, cq[0], cq[1], cq[2]);
+            if (a.has_do) tma_load_5d(stage_do(st) + b * kBM * 64, &tm_do, &full[st], b * 64, i0, cdo[0], cdo[1], cdo[2]);
+          }
+          if (!a.p_tma) continue;
+#pragma unroll
+          for (int b = 0; b < kBN / 64; ++b) {
+            const int jb = static_cast<int>(j0) + b * 64;
+            tma_load_5d(stage_p(st) + b * kBM * 64, &tm_p, &full[st], jb, i0, cp[0], cp[1], cp[2]);
+            if (a.has_dp) tma_load_5d(stage_dp(st) + b * kBM * 64, &tm_dp, &full[st], jb, i0, cdp[0], cdp[1], cdp[2]);
+          }
+        }
+      }
+    }
+    return;
+  }
+
+  // Consumers: warpgroup cw owns keys j0 + 64 cw .. + 63. In its 64 x 64 (query, key) tiles this
+  // thread holds rows warp*16 + g and + 8, keys 8n + 2t and + 1 (n < 8); in its dK and dV tiles
+  // (key, column) keys warp*16 + g and + 8 of its 64, columns 8n + 2t and + 1.
+  regs_claim<kConsumerRegs>();
+  const int cw = wg - 1;
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
+  float dk[D / 2], dv[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.0f;
+  const T* v_rows = sV + cw * 64 * 64;  // this warpgroup's 64 keys of each V column block
+  // dQ: this warpgroup's half of the columns (for D = 64 a half of the one 64-element block).
+  const T* k_cols = D == 128 ? sK + cw * kBN * 64 : sK + cw * 32;
+  constexpr int kDq = D / 4;  // dQ accumulators per thread: 64 rows x D/2 columns
+  mbar_wait(kv_full, 0);
+
+  int use = 0;
+  for (int64_t gi = 0; gi < a.group; ++gi) {
+    const int64_t lead = query_lead(a, kv, gi);
+    const float* delta = a.delta + lead * p.L;
+    float* dq_lead = a.dq_acc + lead * a.q_tiles * kBM * D;
+    for (int64_t qt = t_first; qt < a.q_tiles; ++qt, ++use) {
+      const int st = use % C::kStages;
+      const int64_t i0 = qt * kBM;
+      float dl[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int64_t i = i0 + warp * 16 + g + 8 * r;
+        dl[r] = i < p.L ? delta[i] : 0.0f;
+      }
+      mbar_wait(&full[st], (use / C::kStages) & 1);
+      const T* sQ = stage_q(st);
+      const T* sDO = stage_do(st);
+      T* p_blk = stage_p(st) + cw * kBM * 64;
+      const T* dp_blk = stage_dp(st) + cw * kBM * 64;
+      T* ds_buf = sDS + (use & 1) * 2 * kBM * 64;  // both warpgroups' blocks of this step
+      T* ds_blk = ds_buf + cw * kBM * 64;
+
+      // This thread's pairs of P and dP_ext: (row rr, keys 8n + 2t..) is at 16-byte chunk
+      // n ^ (rr % 8) of row rr of the warpgroup's swizzled block, as TMA writes it.
+      auto swizzled = [&](int n, int r) {
+        const int rr = warp * 16 + g + 8 * r;
+        return rr * 64 + ((n ^ (rr & 7)) * 8) + 2 * t;
+      };
+      uint32_t p_raw[8][2], x_raw[8][2];
+
+      // dP_w = dO V_wᵀ, then dV_w += P_wᵀ dO; dS needs only the first.
+      float dpv[32];
+      if constexpr (HAS_DO) {
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+          const int b = kk / 4, off = (kk % 4) * 16;
+          Wgmma<T, 64>::template ss<0, 0>(dpv, desc_sw128(sDO + b * kBM * 64 + off, 16, 1024),
+                                          desc_sw128(v_rows + b * kBN * 64 + off, 16, 1024), kk > 0);
+        }
+        wgmma_commit();
+      }
+      if (!a.p_tma) {  // P and dP_ext from global memory while dP runs; P into the stage for dV
+        const int64_t p_at = lead_off(p, p.probs, lead), x_at = a.has_dp ? lead_off(p, p.grad_probs, lead) : 0;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int64_t i = i0 + warp * 16 + g + 8 * r;
+          const T* p_row = reinterpret_cast<const T*>(p.probs.data) + p_at + i * p.probs.row;
+          const T* x_row = reinterpret_cast<const T*>(p.grad_probs.data) + x_at + i * p.grad_probs.row;
+#pragma unroll
+          for (int n = 0; n < 8; ++n) {
+            const int64_t j = j0 + cw * 64 + 8 * n + 2 * t;  // S is even: a pair is in or out whole
+            const bool in = i < p.L && j < p.S;
+            p_raw[n][r] = in ? load32(p_row + j) : 0u;
+            x_raw[n][r] = in && a.has_dp ? load32(x_row + j) : 0u;
+            *reinterpret_cast<uint32_t*>(p_blk + swizzled(n, r)) = p_raw[n][r];
+          }
+        }
+        fence_proxy_async();
+        named_barrier(1 + cw, 128);
+      }
+      if constexpr (HAS_DO) {
+        fence_regs(dv);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBM / 16; ++kk)
+          Wgmma<T, D>::template ss<1, 1>(dv, desc_sw128(p_blk + kk * 16 * 64, kBM * 128, 1024),
+                                         desc_sw128(sDO + kk * 16 * 64, kBM * 128, 1024), 1);
+        wgmma_commit();
+        wgmma_wait<1>();
+        fence_regs(dpv);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 32; ++i) dpv[i] = 0.0f;
+      }
+      if (a.p_tma) {
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            p_raw[n][r] = load32(p_blk + swizzled(n, r));
+            x_raw[n][r] = a.has_dp ? load32(dp_blk + swizzled(n, r)) : 0u;
+          }
+      }
+
+      // dS_w = P ∘ (dP + dP_ext − delta) into shared memory in the same swizzled layout.
+#pragma unroll
+      for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const float2 pv = unpack2<T>(p_raw[n][r]), ext = unpack2<T>(x_raw[n][r]);
+          const float d0 = dpv[4 * n + 2 * r] + ext.x - dl[r], d1 = dpv[4 * n + 2 * r + 1] + ext.y - dl[r];
+          *reinterpret_cast<uint32_t*>(ds_blk + swizzled(n, r)) = pack2<T>(pv.x * d0, pv.y * d1);
+        }
+      fence_proxy_async();  // the generic-proxy stores before the products' async-proxy reads
+      named_barrier(1 + cw, 128);
+
+      // dK_w += dS_wᵀ Q.
+      fence_regs(dk);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBM / 16; ++kk)
+        Wgmma<T, D>::template ss<1, 1>(dk, desc_sw128(ds_blk + kk * 16 * 64, kBM * 128, 1024),
+                                       desc_sw128(sQ + kk * 16 * 64, kBM * 128, 1024), 1);
+      wgmma_commit();
+
+      // dQ(:, half cw) = dS K over all 128 keys, once the other warpgroup's dS is there too. The
+      // buffer is rewritten two steps later, after both warpgroups passed this barrier again.
+      named_barrier(3, 256);
+      float dq[kDq];
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBN / 16; ++kk) {
+        const int b = kk / 4, off = (kk % 4) * 16;
+        Wgmma<T, D / 2>::template ss<0, 1>(dq, desc_sw128(ds_buf + b * kBM * 64 + off, 16, 1024),
+                                           desc_sw128(k_cols + kk * 16 * 64, kBN * 128, 1024), kk > 0);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(dq);
+      fence_regs(dk);
+      fence_regs(dv);
+      if (lane == 0) mbar_arrive(&empty[st]);
+
+      float* dq_tile = dq_lead + qt * kBM * D + cw * (kBM * D / 2);
+#pragma unroll
+      for (int f = 0; f < kDq / 4; ++f)
+        red_add4(dq_tile + (f * 128 + tid) * 4, dq[4 * f], dq[4 * f + 1], dq[4 * f + 2], dq[4 * f + 3]);
+    }
+  }
+
+  // dK (times scale) and dV of this warpgroup's keys, stored once in the inputs' dtype.
+  const int64_t lead0 = query_lead(a, kv, 0);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t j = j0 + cw * 64 + warp * 16 + g + 8 * r;
+    if (j >= p.S) continue;
+    T* dk_row = a.dk ? static_cast<T*>(a.dk) + dense_lead_off(p, p.k, lead0) + j * p.k.dense_row : nullptr;
+    T* dv_row = a.dv ? static_cast<T*>(a.dv) + dense_lead_off(p, p.v, lead0) + j * p.v.dense_row : nullptr;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      const int col = n * 8 + 2 * t;
+      if (dk_row && col < p.E)
+        *reinterpret_cast<uint32_t*>(dk_row + col) = pack2<T>(dk[4 * n + 2 * r] * a.scale, dk[4 * n + 2 * r + 1] * a.scale);
+      if (dv_row && col < p.Ev)
+        *reinterpret_cast<uint32_t*>(dv_row + col) = pack2<T>(dv[4 * n + 2 * r], dv[4 * n + 2 * r + 1]);
+    }
+  }
+}
+
+// delta_i = dO_i · O_i + P_i · dP_ext,i in fp32, one warp per row; 16-byte loads where the rows
+// allow (VEC), else element by element.
+template <typename T, bool VEC>
+__global__ void delta_rows(const DevProblem p, float* delta) {
+  const int64_t row = blockIdx.x * static_cast<int64_t>(blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= p.num_lead * p.L) return;
+  const int64_t lead = row / p.L, i = row % p.L;
+  auto dot = [&](const DevOperand& x, const DevOperand& y, int64_t n) {
+    const T* xr = reinterpret_cast<const T*>(x.data) + lead_off(p, x, lead) + i * x.row;
+    const T* yr = reinterpret_cast<const T*>(y.data) + lead_off(p, y, lead) + i * y.row;
+    float acc = 0.0f;
+    if constexpr (VEC) {
+      for (int64_t e = lane * 8; e < n; e += 256) {
+        const uint4 xa = *reinterpret_cast<const uint4*>(xr + e), ya = *reinterpret_cast<const uint4*>(yr + e);
+        const uint32_t xs[4] = {xa.x, xa.y, xa.z, xa.w}, ys[4] = {ya.x, ya.y, ya.z, ya.w};
+#pragma unroll
+        for (int h = 0; h < 4; ++h) {
+          const float2 u = unpack2<T>(xs[h]), w = unpack2<T>(ys[h]);
+          acc = fmaf(u.x, w.x, fmaf(u.y, w.y, acc));
+        }
+      }
+    } else {
+      for (int64_t e = lane; e < n; e += 32) acc = fmaf(to_float<T>(xr[e * x.col]), to_float<T>(yr[e * y.col]), acc);
+    }
+    return acc;
+  };
+  float acc = 0.0f;
+  if (p.grad_out.data) acc += dot(p.grad_out, p.out, p.Ev);
+  if (p.grad_probs.data) acc += dot(p.probs, p.grad_probs, p.S);
+  for (int s = 16; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
+  if (lane == 0) delta[row] = acc;
+}
+
+// dQ = scale times the accumulator, from fragment order to the contiguous gradient: one thread
+// per 4 accumulators (rows g and g + 8, columns 2t and 2t + 1 of an 8-column group).
+template <typename T, int D>
+__global__ void dq_from_fragments(const DevProblem p, const float* acc, T* dq, float scale, int64_t q_tiles) {
+  constexpr int kGroups = D / 16;  // 4-float groups per thread and warpgroup half
+  const int64_t total = p.num_lead * q_tiles * kBM * D / 4;
+  for (int64_t x = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; x < total;
+       x += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float4 v = reinterpret_cast<const float4*>(acc)[x];
+    const int tid = static_cast<int>(x % 128);
+    const int64_t rest = x / 128;
+    const int f = static_cast<int>(rest % kGroups), half = static_cast<int>((rest / kGroups) % 2);
+    const int64_t tile = rest / (2 * kGroups);  // lead * q_tiles + qt
+    const int64_t lead = tile / q_tiles, i0 = (tile % q_tiles) * kBM;
+    const int warp = tid / 32, g = (tid % 32) >> 2, t = tid & 3;
+    const int col = half * (D / 2) + 8 * f + 2 * t;
+    if (col >= p.E) continue;
+    T* base = dq + dense_lead_off(p, p.q, lead);
+    const int64_t i = i0 + warp * 16 + g;
+    if (i < p.L) *reinterpret_cast<uint32_t*>(base + i * p.q.dense_row + col) = pack2<T>(v.x * scale, v.y * scale);
+    if (i + 8 < p.L) *reinterpret_cast<uint32_t*>(base + (i + 8) * p.q.dense_row + col) = pack2<T>(v.z * scale, v.w * scale);
+  }
+}
+
+template <typename T, int D>
+void launch(const CUtensorMap (&maps)[6], const DevProblem& p, const Args& a, const BackwardTargets& out,
+            cudaStream_t stream) {
+  const int64_t key_blocks = (p.S + kBN - 1) / kBN;
+  const int64_t blocks = key_blocks * a.kv_leads;
+  if (blocks > 2147483647LL) throw Error(ErrorCode::CudaFailure, "too many key blocks for one CUDA launch");
+  const auto kernel = a.has_do ? &backward_sm90<T, D, true> : &backward_sm90<T, D, false>;
+  set_smem_limit(reinterpret_cast<const void*>(kernel), Tiles<D>::kSmem);
+  kernel<<<static_cast<unsigned>(blocks), kThreads, Tiles<D>::kSmem, stream>>>(maps[0], maps[1], maps[2], maps[3],
+                                                                             maps[4], maps[5], p, a);
+  check_launch("sm90 backward");
+  if (out.dq) {
+    const int64_t work = p.num_lead * a.q_tiles * kBM * D / 4;
+    const int64_t grid = std::min<int64_t>((work + 255) / 256, 65535);
+    dq_from_fragments<T, D><<<static_cast<unsigned>(grid), 256, 0, stream>>>(p, a.dq_acc, static_cast<T*>(out.dq), a.scale,
+                                                                           a.q_tiles);
+    check_launch("sm90 dQ conversion");
+  }
+}
+
+template <typename T>
+bool backward_for(const DevProblem& p, const BackwardTargets& out, float* workspace, cudaStream_t stream) {
+  Args a;
+  a.has_do = p.grad_out.data != nullptr;
+  a.has_dp = p.grad_probs.data != nullptr;
+  CUtensorMap maps[6] = {};
+  const int64_t D = padded_head(p.E);
+  if (!make_map(&maps[0], p, p.q, p.L, p.E, kBM, a.q) || !make_map(&maps[1], p, p.k, p.S, p.E, kBN, a.k) ||
+      !make_map(&maps[2], p, p.v, p.S, p.Ev, kBN, a.v))
+    return false;
+  if (a.has_do && !make_map(&maps[3], p, p.grad_out, p.L, p.Ev, kBM, a.dout)) return false;
+  a.p_tma = make_map(&maps[4], p, p.probs, p.L, p.S, kBM, a.p) &&
+            (!a.has_dp || make_map(&maps[5], p, p.grad_probs, p.L, p.S, kBM, a.dp));
+  // Otherwise pairs: rows of P and dP_ext must be 4-byte aligned.
+  if (!a.p_tma && (!rows_vectorizable(p.probs, p.lead_ndim, p.S, 2, 2) ||
+                   (a.has_dp && !rows_vectorizable(p.grad_probs, p.lead_ndim, p.S, 2, 2))))
+    return false;
+  // Maps not used: never read; a copy keeps every parameter initialised.
+  if (!a.has_do) maps[3] = maps[0];
+  if (!a.p_tma) maps[4] = maps[0];
+  if (!a.has_dp || !a.p_tma) maps[5] = maps[0];
+  a.group = p.k.head_group;
+  a.heads = p.lead_ndim > 0 ? p.lead_shape[p.lead_ndim - 1] : 1;
+  a.kv_leads = p.num_lead / a.group;
+  a.q_tiles = (p.L + kBM - 1) / kBM;
+  a.scale = static_cast<float>(p.scale);
+  float* delta = workspace;
+  a.delta = delta;
+  a.dq_acc = workspace + backward_delta_floats(p);
+  a.dk = out.dk;
+  a.dv = out.dv;
+
+  const int64_t rows = p.num_lead * p.L;
+  const bool vec = (!a.has_do || (rows_vectorizable(p.grad_out, p.lead_ndim, p.Ev, 2, 8) &&
+                                  rows_vectorizable(p.out, p.lead_ndim, p.Ev, 2, 8))) &&
+                   (!a.has_dp || (rows_vectorizable(p.grad_probs, p.lead_ndim, p.S, 2, 8) &&
+                                  rows_vectorizable(p.probs, p.lead_ndim, p.S, 2, 8)));
+  const int64_t delta_blocks = (rows + 7) / 8;
+  if (delta_blocks > 2147483647LL) throw Error(ErrorCode::CudaFailure, "too many rows for one CUDA launch");
+  if (vec) delta_rows<T, true><<<static_cast<unsigned>(delta_blocks), 256, 0, stream>>>(p, delta);
+  else delta_rows<T, false><<<static_cast<unsigned>(delta_blocks), 256, 0, stream>>>(p, delta);
+  check_launch("sm90 delta");
+  if (D == 64) launch<T, 64>(maps, p, a, out, stream);
+  else launch<T, 128>(maps, p, a, out, stream);
+  return true;
+}
+
+}  // namespace
+
+bool backward_applies(const DevProblem& p) {
+  if (p.q.dtype != DType::Float16 && p.q.dtype != DType::BFloat16) return false;
+  if (p.dropout != Dropout::None || p.probs.data == nullptr || p.probs.dtype != p.q.dtype) return false;
+  if (p.grad_out.data && (p.grad_out.dtype != p.q.dtype || p.out.data == nullptr || p.out.dtype != p.q.dtype)) return false;
+  if (p.grad_probs.data && p.grad_probs.dtype != p.q.dtype) return false;
+  if (p.E <= 0 || p.Ev <= 0 || p.E > 128 || p.Ev > 128 || padded_head(p.E) != padded_head(p.Ev)) return false;
+  if (p.E % 8 != 0 || p.Ev % 8 != 0) return false;
+  // Each query row belongs to one lead index and each key row to one key head (GQA groups the
+  // last lead dim): the gradients are stored, not summed over broadcast dims.
+  if (p.k.head_group != p.v.head_group || (p.lead_ndim == 0 && p.k.head_group != 1)) return false;
+  for (int d = 0; d < p.lead_ndim; ++d) {
+    if (p.lead_shape[d] == 1) continue;
+    if (p.q.dense_lead[d] == 0 || p.k.dense_lead[d] == 0 || p.v.dense_lead[d] == 0) return false;
+  }
+  if (p.q.dense_col != 1 || p.k.dense_col != 1 || p.v.dense_col != 1) return false;
+  return p.L > 0 && p.S > 0 && p.L <= 2147483647LL && p.S <= 2147483647LL && device_supported();
+}
+
+int64_t backward_delta_floats(const DevProblem& p) { return (p.num_lead * p.L + 3) / 4 * 4; }
+
+int64_t backward_workspace_floats(const DevProblem& p) {
+  return backward_delta_floats(p) + p.num_lead * ((p.L + kBM - 1) / kBM) * kBM * padded_head(p.E);
+}
+
+bool backward(const DevProblem& p, const BackwardTargets& out, float* workspace, cudaStream_t stream) {
+  if (p.q.dtype == DType::Float16) return backward_for<__half>(p, out, workspace, stream);
+  return backward_for<__nv_bfloat16>(p, out, workspace, stream);
+}
+
+}  // namespace sdpa_math::cuda::sm90
