@@ -19,11 +19,6 @@ struct ForwardFlags {
   bool p_vec8;               // P zero-filled 16 bytes at a time
 };
 
-SDPA_MATH_D float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-
 // The warp's Q fragments for every 16-column chunk of the head: held in registers for the
 // whole key sweep where they fit (head tile <= 128), else reloaded per chunk.
 template <int DT>
@@ -118,7 +113,8 @@ __global__ void __launch_bounds__(kThreads) forward_tc(DevProblem p, ForwardFlag
   }
 
   // Pass 1: running max (common to the quad that shares a row) and per-thread partial sums.
-  // GENERAL: natural units; plain: base-2 units.
+  // GENERAL: natural units; plain: base-2 units. The max keeps NaN, so a NaN score makes the
+  // row's max and sum NaN, and with them its P, O and lse (as the math op's softmax).
   float m[2] = {kNegInf, kNegInf}, l[2] = {0.0f, 0.0f};
   for (int nt = 0; nt < n_tiles; ++nt) {
     const int64_t j0 = static_cast<int64_t>(nt) * BN;
@@ -144,11 +140,11 @@ __global__ void __launch_bounds__(kThreads) forward_tc(DevProblem p, ForwardFlag
         if constexpr (GENERAL) x = (j < p.S && row[r] < p.L) ? masked_logit<float>(p, s[n][c], m_at, row[r], j) : kNegInf;
         else x = plain_logit(s[n][c], row[r], j, clean);
         s[n][c] = x;
-        tile_max[r] = fmaxf(tile_max[r], x);
+        tile_max[r] = max_nan(tile_max[r], x);
       }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const float new_max = fmaxf(m[r], quad_max(tile_max[r]));
+      const float new_max = max_nan(m[r], quad_max_nan(tile_max[r]));
       if (new_max == kNegInf) continue;
       float add = 0.0f;
       if constexpr (GENERAL) {
@@ -169,14 +165,20 @@ __global__ void __launch_bounds__(kThreads) forward_tc(DevProblem p, ForwardFlag
     load_v(0);
   }
   cp_async_commit();
-  // P = exp(s - m) / l (not exp(s - lse): see prob_from_max_sum).
+  // P = exp(s - m) / l (not exp(s - lse): see prob_from_max_sum). A fully masked row (l = 0)
+  // gives P = 0 and lse = -inf; a NaN row (l = NaN) gives NaN through inv_l, lse too.
+  __shared__ bool nan_row[kBM];  // for the causal zeros below, which other threads store
   float inv_l[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const float total = quad_sum(l[r]);
-    inv_l[r] = total > 0.0f ? 1.0f / total : 0.0f;
-    const float lse = !(total > 0.0f) ? kNegInf : GENERAL ? m[r] + logf(total) : (m[r] + log2f(total)) / kLog2e;
-    if (!(total > 0.0f)) m[r] = 0.0f;  // fully masked row: every exp below is of -inf, so P = 0
+    const bool nan = total != total;
+    inv_l[r] = total > 0.0f ? 1.0f / total : nan ? total : 0.0f;
+    const float lse = total > 0.0f ? (GENERAL ? m[r] + logf(total) : (m[r] + log2f(total)) / kLog2e)
+                      : nan       ? total
+                                  : kNegInf;
+    if (!(total > 0.0f) && !nan) m[r] = 0.0f;  // fully masked row: every exp below is of -inf, so P = 0
+    if (t == 0) nan_row[warp * 16 + g + 8 * r] = nan;
     if (t == 0 && row[r] < p.L)
       store_elem<float>(p.lse.dtype, p.lse.data, lead_off(p, p.lse, lead) + row[r] * p.lse.row, lse);
   }
@@ -267,21 +269,26 @@ __global__ void __launch_bounds__(kThreads) forward_tc(DevProblem p, ForwardFlag
                           o[n][c] * inv_l[c >> 1] * factor);
     }
 
-  // Causal: the keys right of the last computed tile are hidden from every row of the CTA.
+  // Causal: the keys right of the last computed tile are hidden from every row of the CTA. Their
+  // P is zero, or NaN in a NaN row (the math op's softmax is NaN over the whole row).
   const int64_t z0 = static_cast<int64_t>(n_tiles) * BN;
-  if (z0 < p.S) {
+  if (z0 < p.S) {  // the same for the whole CTA
+    __syncthreads();  // nan_row complete
     const int64_t rows = (p.L - i0 < kBM ? p.L - i0 : kBM);
     if (f.p_vec8) {
+      const uint32_t nan_pair = pack2<T>(NAN, NAN);
       const int64_t chunks = (p.S - z0) / 8;
       for (int64_t idx = threadIdx.x; idx < rows * chunks; idx += kThreads) {
         const int64_t r = idx / chunks, c = z0 + (idx % chunks) * 8;
-        *reinterpret_cast<uint4*>(P + p_at + (i0 + r) * p.probs.row + c) = make_uint4(0, 0, 0, 0);
+        const uint32_t fill = nan_row[r] ? nan_pair : 0u;
+        *reinterpret_cast<uint4*>(P + p_at + (i0 + r) * p.probs.row + c) = make_uint4(fill, fill, fill, fill);
       }
     } else {
       const int64_t cols = p.S - z0;
       for (int64_t idx = threadIdx.x; idx < rows * cols; idx += kThreads) {
         const int64_t r = idx / cols, c = z0 + idx % cols;
-        store_elem<float>(p.probs.dtype, p.probs.data, p_at + (i0 + r) * p.probs.row + c * p.probs.col, 0.0f);
+        store_elem<float>(p.probs.dtype, p.probs.data, p_at + (i0 + r) * p.probs.row + c * p.probs.col,
+                          nan_row[r] ? NAN : 0.0f);
       }
     }
   }

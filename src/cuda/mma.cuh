@@ -69,6 +69,18 @@ SDPA_MATH_D float quad_sum(float x) {
   x += __shfl_xor_sync(0xffffffffu, x, 1);
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
+// The larger of a and b, NaN if either is NaN: a row maximum that keeps a NaN score, as the math
+// op's softmax does (fmaxf returns the other operand).
+SDPA_MATH_D float max_nan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+// max_nan over the quad of lanes that holds one row (as quad_sum).
+SDPA_MATH_D float quad_max_nan(float x) {
+  x = max_nan(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return max_nan(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
 // 2^x on the special-function unit (relative error ~2^-22; 2^-inf = 0).
 SDPA_MATH_D float fast_exp2(float x) {
   float y;
