@@ -204,10 +204,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) decode_probs(DevPro
     for (int64_t c = 0; c < b.blocks; ++c) lse_combine<float>(mm, ll, st[2 * c], st[2 * c + 1]);
     row_max[r] = mm;
     row_sum[r] = ll;
-    // The log-sum-exp, once per row (contract §6: -inf for a fully masked row).
+    // The log-sum-exp, once per row (contract §6: -inf for a fully masked row, NaN for a NaN one).
     if (blk == 0)
-      store_elem<float>(p.lse.dtype, p.lse.data, lead_off(p, p.lse, lead) + r * p.lse.row,
-                        ll > 0.0f ? mm + __logf(ll) : neg_inf<float>());
+      store_elem<float>(p.lse.dtype, p.lse.data, lead_off(p, p.lse, lead) + r * p.lse.row, lse_from_max_sum<float>(mm, ll));
   }
   __syncthreads();
 

@@ -114,19 +114,45 @@ SDPA_MATH_D Acc prob_from_lse(Acc logit, Acc lse) {
 }
 
 // The same from the row's max and sum, as the forward has them: exact also where m + log(l)
-// rounds to m (rows whose logits are all near finfo.min).
+// rounds to m (rows whose logits are all near finfo.min). A fully masked row (l = 0) is zeros;
+// a row with a NaN logit (l = NaN, see lse_combine) is NaN throughout, as the math op's softmax.
 template <typename Acc>
 SDPA_MATH_D Acc prob_from_max_sum(Acc logit, Acc m, Acc l) {
-  if (!(l > Acc(0))) return Acc(0);
+  if (l == Acc(0)) return Acc(0);
   if constexpr (sizeof(Acc) == 8) return exp(logit - m) / l;
   else return __expf(logit - m) / l;
 }
 
+// P at a key the row does not attend to, for kernels that never form its logit (causal-hidden
+// keys): zero, but NaN in a row with a NaN logit, since the math op's softmax is NaN over the
+// whole row (its -inf there does not rescue the key).
+template <typename Acc>
+SDPA_MATH_D Acc prob_of_hidden_key(Acc l) {
+  return l != l ? l : Acc(0);
+}
+
+// Contract §6 and the math op: the row's log-sum-exp from its max and sum; -inf for a fully
+// masked row (l = 0), NaN for a row with a NaN logit (l = NaN).
+template <typename Acc>
+SDPA_MATH_D Acc lse_from_max_sum(Acc m, Acc l) {
+  if (l > Acc(0)) {
+    if constexpr (sizeof(Acc) == 8) return m + log(l);
+    else return m + logf(l);
+  }
+  return l == Acc(0) ? neg_inf<Acc>() : l;
+}
+
 // The row's running (max, sum of exp) pair (m, l) combined with another (m2, l2); a logit s adds
-// as (s, 1). -inf maxima carry no mass, so fully masked rows keep l = 0.
+// as (s, 1). -inf maxima carry no mass, so fully masked rows keep l = 0. A NaN logit makes the
+// pair (NaN, NaN) for good: comparisons would otherwise skip it (m2 > m is false for NaN) and
+// leave a finite max, where the math op's softmax gives a NaN row.
 template <typename Acc>
 SDPA_MATH_D void lse_combine(Acc& m, Acc& l, Acc m2, Acc l2) {
   if (m2 == neg_inf<Acc>()) return;
+  if (m2 != m2 || m != m) {
+    m = l = static_cast<Acc>(NAN);
+    return;
+  }
   if (m == neg_inf<Acc>()) {
     m = m2;
     l = l2;

@@ -158,15 +158,14 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) softmax_rows(DevProblem p)
   for (int64_t j = lane; j < visible; j += 32) lse_combine<float>(m, l, masked_logit<float>(p, scores[j], m_at, i, j), 1.0f);
   warp_lse(m, l);
   for (int64_t j = lane; j < p.S; j += 32) {
-    float prob = 0.0f;
+    float prob = prob_of_hidden_key<float>(l);
     if (j < visible)
       prob = returned_prob<float>(p, prob_from_max_sum<float>(masked_logit<float>(p, scores[j], m_at, i, j), m, l),
                                   keep_of<float>(p, d_at, lead, i, j));
     scores[j] = prob;
   }
   if (lane == 0)
-    store_elem<float>(p.lse.dtype, p.lse.data, lead_off(p, p.lse, lead) + i * p.lse.row,
-                      l > 0.0f ? m + logf(l) : neg_inf<float>());
+    store_elem<float>(p.lse.dtype, p.lse.data, lead_off(p, p.lse, lead) + i * p.lse.row, lse_from_max_sum<float>(m, l));
 }
 
 // Without dropout: row (lead, i) of `d` (L S per head, packed) holds dO_i . v_j; it becomes

@@ -72,8 +72,8 @@ __global__ void __launch_bounds__(kThreads) forward_rows(DevProblem p) {
   // P = exp(s - m) / l, not exp(s - lse): where every logit is huge and negative (finfo.min
   // masks) m + log(l) rounds to m and would lose the 1/l.
   const Acc row_max = red[0], row_sum = red[kThreads];
-  const Acc lse = row_sum > 0 ? row_max + log(row_sum) : neg_inf<Acc>();
-  if (threadIdx.x == 0) store_elem<Acc>(p.lse.dtype, p.lse.data, lead_off(p, p.lse, lead) + i * p.lse.row, lse);
+  if (threadIdx.x == 0)
+    store_elem<Acc>(p.lse.dtype, p.lse.data, lead_off(p, p.lse, lead) + i * p.lse.row, lse_from_max_sum<Acc>(row_max, row_sum));
 
   // Pass 2: P written once; O accumulated from staged weights.
   const int64_t p_at = lead_off(p, p.probs, lead) + i * p.probs.row;
@@ -81,7 +81,7 @@ __global__ void __launch_bounds__(kThreads) forward_rows(DevProblem p) {
     const int64_t n = p.S - c0 < kChunk ? p.S - c0 : kChunk;
     for (int64_t jj = threadIdx.x; jj < n; jj += kThreads) {
       const int64_t j = c0 + jj;
-      Acc pr = 0;
+      Acc pr = prob_of_hidden_key<Acc>(row_sum);
       if (j < visible) {
         const Acc s = masked_logit<Acc>(p, dot_rows<Acc>(p.k, k_at + j * p.k.row, q, p.E), m_at, i, j);
         pr = returned_prob<Acc>(p, prob_from_max_sum<Acc>(s, row_max, row_sum), keep_of<Acc>(p, d_at, lead, i, j));
