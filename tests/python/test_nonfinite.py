@@ -1,9 +1,11 @@
-"""NaN scores and a zero head size, on the CPU, against PyTorch's math op.
+"""NaN scores and a zero head size, on the CPU and CUDA, against PyTorch's math op.
 
 - A NaN logit in a row (from Q, K, or a float mask, with causal or other masked keys too) makes
   that row of P and O NaN, and its lse NaN, as the math op's softmax does; other rows are
   untouched. float64 runs the float64 reference, the other dtypes the CPU kernels (whose row
-  maximum skipped NaN: the row came out as zeros, or as fully masked, before).
+  maximum skipped NaN: the row came out as zeros, or as fully masked, before). On CUDA the same
+  for each path but the Hopper kernels (mma.sync, decode, cuBLAS fp32, generic), chosen by the
+  inputs, with the lse against float64 (skipped without a GPU).
 - E = 0 (query/key head size zero): every score is an empty sum, 0, so P is uniform over the
   unmasked keys and O = P V, as the math op gives. The default scale 1/sqrt(0) = inf made
   0 * inf a NaN and every row read as fully masked (P = O = 0) before.
@@ -17,7 +19,7 @@ import pytest
 import torch
 
 import sdpa_math
-from cases import FORWARD_TOL
+from cases import FORWARD_TOL, Case, build, native
 
 aten_math = torch.ops.aten._scaled_dot_product_attention_math
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
@@ -158,3 +160,94 @@ def test_nan_at_a_key_the_row_does_not_attend_to_is_ignored(how, dtype):
     out, probs, lse = sdpa_math.attention_with_lse(q, k, v, mask, is_causal=how == "causal")
     assert not probs.isnan().any() and not out.isnan().any() and not lse.isnan().any()
     assert (probs[..., 6] == 0).all()
+
+
+# CUDA: the paths other than the Hopper kernels (test_cuda_sm90.py has its NaN case), each chosen
+# by its inputs: src/cuda/backend.cu `forward` runs the first path that takes the problem (decode
+# for <= 4 query rows, then the Hopper kernel, mma.sync, cuBLAS, generic). Skipped without CUDA.
+# name: (dtype, L, S, E = Ev, layout, a kernel the path launches)
+CUDA_PATHS = {
+    # Head size 256 is past the Hopper kernel's 128, so mma.sync on every GPU. Even S: the plain
+    # kernel without a mask (the per-element one with), causal zeros past key 64 stored 16 bytes
+    # at a time.
+    "mma_sync_fp16_e256": (torch.float16, 6, 72, 256, "contig", "forward_tc"),
+    "mma_sync_bf16_e256": (torch.bfloat16, 6, 72, 256, "contig", "forward_tc"),
+    # Odd S: P's rows take no pair stores, which the Hopper kernel declines; the per-element
+    # mma.sync kernel, its causal zeros one at a time.
+    "mma_sync_fp16_e64_odd_s": (torch.float16, 6, 71, 64, "contig", "forward_tc"),
+    "cublas_fp32": (torch.float32, 6, 72, 64, "contig", "softmax_rows"),
+    # Columns not unit-stride: cuBLAS declines.
+    "generic_fp32_transposed": (torch.float32, 6, 72, 64, "transposed", "forward_rows"),
+    "generic_fp64": (torch.float64, 6, 72, 64, "contig", "forward_rows"),
+    # S = 300: two key blocks of 256, combined per row.
+    "decode_fp16": (torch.float16, 4, 300, 64, "contig", "decode_probs"),
+    "decode_fp32": (torch.float32, 4, 300, 64, "contig", "decode_probs"),
+}
+CUDA_NAN_CASES = ["query_element", "key_element", "float_mask_element", "causal_query_row", "beside_masked_rows"]
+
+
+@pytest.fixture
+def poisoned_outputs(monkeypatch):
+    """Every output buffer starts as NaN, so an element a kernel does not write shows as NaN where
+    the math op has a number."""
+    monkeypatch.setenv("SDPA_MATH_POISON_OUTPUTS", "1")
+
+
+def _cuda_nan_case(name, dtype, L, S, E, layout):
+    """(q, k, v, mask, causal) on the GPU with a NaN score, as _nan_case."""
+    (q, k, v, *_), _ = build(Case(hq=3, hkv=3, L=L, S=S, E=E, Ev=E, layout=layout), dtype, seed=11, device="cuda")
+    mask, causal = None, False
+    if name == "query_element":  # one row
+        q[1, 1, 2, 0] = NAN
+    elif name == "key_element":  # every row of one head
+        k[0, 1, S - 2, 5] = NAN
+    elif name == "float_mask_element":  # one row of every head
+        mask = torch.zeros(L, S, dtype=dtype, device="cuda")
+        mask[2, 3] = NAN
+    elif name == "causal_query_row":  # also NaN over the keys the row cannot see
+        q[0, 0, 1, 2] = NAN
+        causal = True
+    elif name == "beside_masked_rows":  # the fully masked row stays zeros, the finfo.min one uniform
+        mask = torch.zeros(L, S, device="cuda")
+        mask[0] = -math.inf
+        mask[1] = torch.finfo(torch.float32).min
+        q[1, 0, 3, 1] = NAN
+    return q, k, v, mask, causal
+
+
+def _cuda_kernel_names(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        result = fn()
+        torch.cuda.synchronize()
+    return result, [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("path", list(CUDA_PATHS))
+@pytest.mark.parametrize("name", CUDA_NAN_CASES)
+def test_cuda_nan_score_gives_nan_row_like_the_math_op(name, path, poisoned_outputs):
+    dtype, L, S, E, layout, kernel = CUDA_PATHS[path]
+    q, k, v, mask, causal = _cuda_nan_case(name, dtype, L, S, E, layout)
+    (out, probs, lse), kernels = _cuda_kernel_names(lambda: sdpa_math.attention_with_lse(q, k, v, mask, is_causal=causal))
+    assert any(kernel in n for n in kernels), f"{path} did not run {kernel}: {kernels}"
+    ref_out, ref_probs = native((q, k, v, mask, 0.0, causal, None), {}, dtype)
+    nan_rows = ref_probs.isnan().any(-1)
+    assert nan_rows.any() and not nan_rows.all()  # the case does what it says
+    assert torch.equal(probs.isnan(), ref_probs.isnan())
+    assert torch.equal(out.isnan(), ref_out.isnan())
+    assert probs[nan_rows].isnan().all() and out[nan_rows].isnan().all()
+    rtol, atol = FORWARD_TOL[dtype]
+    scale_v = max(v.abs().max().item(), 1.0)
+    torch.testing.assert_close(probs.to(ref_probs.dtype), ref_probs, rtol=rtol, atol=atol, equal_nan=True)
+    torch.testing.assert_close(out.to(ref_out.dtype), ref_out, rtol=rtol, atol=atol * scale_v * 10, equal_nan=True)
+    # lse: NaN exactly on the NaN rows, -inf on the fully masked one, else log sum exp of the
+    # logits (float64 from the same inputs).
+    logits = (q.double() @ k.double().transpose(-1, -2)) * E ** -0.5
+    if mask is not None:
+        logits = logits + mask.double()
+    if causal:
+        logits = logits.masked_fill(torch.ones(L, S, dtype=torch.bool, device="cuda").triu(1), -math.inf)
+    assert torch.equal(lse.isnan(), nan_rows)
+    # fp32 arithmetic: scores summed over E on tensor cores (half types) or in fp32 order.
+    tol = {torch.float64: 1e-10, torch.float32: 1e-5}.get(dtype, 1e-4)
+    torch.testing.assert_close(lse.double(), torch.logsumexp(logits, -1), rtol=tol, atol=tol, equal_nan=True)
