@@ -1,5 +1,6 @@
 """Diagnostics of the Hopper backward on one GPU: where gradients differ from float64 (per batch,
 head, row/key), and the CUDA kernel times of one backward on the anchor shapes (profiler)."""
+import re
 import sys
 
 import torch
@@ -58,7 +59,8 @@ def kernel_times(dtype=torch.float16):
             agg = {}
             for e in prof.events():
                 if e.device_type == torch.autograd.DeviceType.CUDA:
-                    key = e.name.split("(")[0].split("<")[0].split("::")[-1][:40]
+                    found = re.search(r"::(\w+)<", e.name)
+                    key = found.group(1) if found else e.name[:30]
                     agg[key] = agg.get(key, 0.0) + e.device_time / 10 / 1000
             print(f"{name} grads through {which}: " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(agg.items(), key=lambda kv: -kv[1])[:7]))
 

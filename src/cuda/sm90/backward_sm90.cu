@@ -42,7 +42,8 @@ constexpr int kConsumerRegs = 232;  // 128 * 40 + 256 * 232 <= 65536
 
 // Shared memory: K and V of the CTA's keys (D/64 column blocks of [128][64] each); a ring of
 // stages, each one query tile's Q and dO ([64][64] blocks) and P and dP_ext ([64 rows][64 keys]
-// blocks, block w = warpgroup w's keys); dS, double-buffered, one [64][64] block per warpgroup.
+// blocks, block w = warpgroup w's keys) and delta of its rows; dS, double-buffered, one [64][64]
+// block per warpgroup.
 template <int D>
 struct Tiles {
   static constexpr int kStages = D == 64 ? 3 : 2;
@@ -51,8 +52,10 @@ struct Tiles {
   static constexpr int kKVBytes = kBN * D * 2;       // K or V
   static constexpr int kStageBytes = 2 * kRowTileBytes + 2 * kMapTileBytes;
   static constexpr int kDsBlockBytes = kBM * 64 * 2;
+  static constexpr int kDeltaBytes = kBM * 4;  // per stage: the tile's delta
   static constexpr int kBarriers = 2 * kStages + 1;
-  static constexpr size_t kSmem = 1024 + 2 * kKVBytes + kStages * kStageBytes + 4 * kDsBlockBytes + 8 * kBarriers;
+  static constexpr size_t kSmem =
+      1024 + 2 * kKVBytes + kStages * kStageBytes + 4 * kDsBlockBytes + kStages * kDeltaBytes + 8 * kBarriers;
 };
 
 struct Args {
@@ -65,8 +68,8 @@ struct Args {
   bool p_tma;        // P and dP_ext come through TMA (rows 16-byte aligned: S % 8 == 0), else the
                      // consumers load them as 4-byte pairs and put P into the stage themselves
   float scale;
-  const float* delta;
-  float* dq_acc;     // q_tiles * 64 * D floats per lead index, fragment order
+  const float* delta;  // q_tiles * 64 floats per lead index (rows past L: 0)
+  float* dq_acc;       // q_tiles * 64 * D floats per lead index, fragment order
   void* dk;          // contiguous gradients in the inputs' dtype, or nullptr when not wanted
   void* dv;
 };
@@ -78,8 +81,11 @@ SDPA_MATH_HD int64_t query_lead(const Args& a, int64_t kv, int64_t gi) {
   return (kv / kv_heads) * a.heads + (kv % kv_heads) * a.group + gi;
 }
 
-SDPA_MATH_D void red_add4(float* dst, float a, float b, float c, float d) {
-  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+// dst[0..3] += (a, b, c, d) in L2, keeping the line there (`policy`: evict-last).
+SDPA_MATH_D void red_add4(float* dst, float a, float b, float c, float d, uint64_t policy) {
+  asm volatile("red.global.add.L2::cache_hint.v4.f32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(dst), "f"(a), "f"(b), "f"(c),
+               "f"(d), "l"(policy)
+               : "memory");
 }
 
 template <typename T>
@@ -103,7 +109,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   T* sV = sK + kBN * D;
   unsigned char* stages = base + 2 * C::kKVBytes;
   T* sDS = reinterpret_cast<T*>(stages + C::kStages * C::kStageBytes);  // [buffer][warpgroup][64][64]
-  uint64_t* full = reinterpret_cast<uint64_t*>(sDS + 4 * kBM * 64);
+  float* sDelta = reinterpret_cast<float*>(sDS + 4 * kBM * 64);  // [stage][64]
+  uint64_t* full = reinterpret_cast<uint64_t*>(sDelta + C::kStages * kBM);
   uint64_t* empty = full + C::kStages;
   uint64_t* kv_full = empty + C::kStages;
   auto stage_q = [&](int st) { return reinterpret_cast<T*>(stages + st * C::kStageBytes); };
@@ -143,8 +150,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       map_coords(a.v, query_lead(a, kv, 0), c);
 #pragma unroll
       for (int b = 0; b < D / 64; ++b) tma_load_5d(sV + b * kBN * 64, &tm_v, kv_full, b * 64, static_cast<int>(j0), c[0], c[1], c[2]);
-      const uint32_t bytes =
-          C::kRowTileBytes * (a.has_do ? 2 : 1) + (a.p_tma ? C::kMapTileBytes * (a.has_dp ? 2 : 1) : 0);
+      const uint32_t bytes = C::kDeltaBytes + C::kRowTileBytes * (a.has_do ? 2 : 1) +
+                             (a.p_tma ? C::kMapTileBytes * (a.has_dp ? 2 : 1) : 0);
+      // P and dP_ext are read once (this CTA's keys of each row): they should not push dQ's
+      // accumulator and the Q and dO tiles (read by every key block) out of L2.
+      const uint64_t stream_once = l2_policy_evict_first();
       int use = 0;
       for (int64_t gi = 0; gi < a.group; ++gi) {
         const int64_t lead = query_lead(a, kv, gi);
@@ -158,6 +168,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           mbar_wait(&empty[st], ((use / C::kStages) & 1) ^ 1);  // the first use finds it free
           mbar_arrive_expect_tx(&full[st], bytes);
           const int i0 = static_cast<int>(qt * kBM);
+          bulk_load(sDelta + st * kBM, a.delta + lead * a.q_tiles * kBM + i0, C::kDeltaBytes, &full[st]);
 #pragma unroll
           for (int b = 0; b < D / 64; ++b) {
             tma_load_5d(stage_q(st) + b * kBM * 64, &tm_q, &full[st], b * 64, i0, cq[0], cq[1], cq[2]);
@@ -167,8 +178,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
           for (int b = 0; b < kBN / 64; ++b) {
             const int jb = static_cast<int>(j0) + b * 64;
-            tma_load_5d(stage_p(st) + b * kBM * 64, &tm_p, &full[st], jb, i0, cp[0], cp[1], cp[2]);
-            if (a.has_dp) tma_load_5d(stage_dp(st) + b * kBM * 64, &tm_dp, &full[st], jb, i0, cdp[0], cdp[1], cdp[2]);
+            tma_load_5d(stage_p(st) + b * kBM * 64, &tm_p, &full[st], jb, i0, cp[0], cp[1], cp[2], stream_once);
+            if (a.has_dp)
+              tma_load_5d(stage_dp(st) + b * kBM * 64, &tm_dp, &full[st], jb, i0, cdp[0], cdp[1], cdp[2], stream_once);
           }
         }
       }
@@ -191,134 +203,136 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kDq = D / 4;  // dQ accumulators per thread: 64 rows x D/2 columns
   mbar_wait(kv_full, 0);
 
-  int use = 0;
-  for (int64_t gi = 0; gi < a.group; ++gi) {
-    const int64_t lead = query_lead(a, kv, gi);
-    const float* delta = a.delta + lead * p.L;
+  // Steps in the producer's order: query head gi of the group, then its query tiles (32-bit
+  // counts: steps = group * tiles < 2^31, checked by the launcher).
+  const int t_count = static_cast<int>(a.q_tiles > t_first ? a.q_tiles - t_first : 0);
+  const int steps = static_cast<int>(a.group) * t_count;
+  int64_t gi = 0, qt = t_first, lead = query_lead(a, kv, 0);
+  for (int step = 0; step < steps; ++step) {
+    const int use = step;
     float* dq_lead = a.dq_acc + lead * a.q_tiles * kBM * D;
-    for (int64_t qt = t_first; qt < a.q_tiles; ++qt, ++use) {
-      const int st = use % C::kStages;
-      const int64_t i0 = qt * kBM;
-      float dl[2];
+    const int st = use % C::kStages;
+    const int64_t i0 = qt * kBM;
+    mbar_wait(&full[st], (use / C::kStages) & 1);
+    const float dl[2] = {sDelta[st * kBM + warp * 16 + g], sDelta[st * kBM + warp * 16 + g + 8]};
+    const T* sQ = stage_q(st);
+    const T* sDO = stage_do(st);
+    T* p_blk = stage_p(st) + cw * kBM * 64;
+    const T* dp_blk = stage_dp(st) + cw * kBM * 64;
+    T* ds_buf = sDS + (use & 1) * 2 * kBM * 64;  // both warpgroups' blocks of this step
+    T* ds_blk = ds_buf + cw * kBM * 64;
+
+    // This thread's pairs of P and dP_ext: (row rr, keys 8n + 2t..) is at 16-byte chunk
+    // n ^ (rr % 8) of row rr of the warpgroup's swizzled block, as TMA writes it.
+    auto swizzled = [&](int n, int r) {
+      const int rr = warp * 16 + g + 8 * r;
+      return rr * 64 + ((n ^ (rr & 7)) * 8) + 2 * t;
+    };
+    uint32_t p_raw[8][2], x_raw[8][2];
+
+    // dP_w = dO V_wᵀ, then dV_w += P_wᵀ dO; dS needs only the first.
+    float dpv[32];
+    if constexpr (HAS_DO) {
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const int b = kk / 4, off = (kk % 4) * 16;
+        Wgmma<T, 64>::template ss<0, 0>(dpv, desc_sw128(sDO + b * kBM * 64 + off, 16, 1024),
+                                        desc_sw128(v_rows + b * kBN * 64 + off, 16, 1024), kk > 0);
+      }
+      wgmma_commit();
+    }
+    if (!a.p_tma) {  // P and dP_ext from global memory while dP runs; P into the stage for dV
+      const int64_t p_at = lead_off(p, p.probs, lead), x_at = a.has_dp ? lead_off(p, p.grad_probs, lead) : 0;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int64_t i = i0 + warp * 16 + g + 8 * r;
-        dl[r] = i < p.L ? delta[i] : 0.0f;
-      }
-      mbar_wait(&full[st], (use / C::kStages) & 1);
-      const T* sQ = stage_q(st);
-      const T* sDO = stage_do(st);
-      T* p_blk = stage_p(st) + cw * kBM * 64;
-      const T* dp_blk = stage_dp(st) + cw * kBM * 64;
-      T* ds_buf = sDS + (use & 1) * 2 * kBM * 64;  // both warpgroups' blocks of this step
-      T* ds_blk = ds_buf + cw * kBM * 64;
-
-      // This thread's pairs of P and dP_ext: (row rr, keys 8n + 2t..) is at 16-byte chunk
-      // n ^ (rr % 8) of row rr of the warpgroup's swizzled block, as TMA writes it.
-      auto swizzled = [&](int n, int r) {
-        const int rr = warp * 16 + g + 8 * r;
-        return rr * 64 + ((n ^ (rr & 7)) * 8) + 2 * t;
-      };
-      uint32_t p_raw[8][2], x_raw[8][2];
-
-      // dP_w = dO V_wᵀ, then dV_w += P_wᵀ dO; dS needs only the first.
-      float dpv[32];
-      if constexpr (HAS_DO) {
-        wgmma_fence();
+        const T* p_row = reinterpret_cast<const T*>(p.probs.data) + p_at + i * p.probs.row;
+        const T* x_row = reinterpret_cast<const T*>(p.grad_probs.data) + x_at + i * p.grad_probs.row;
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-          const int b = kk / 4, off = (kk % 4) * 16;
-          Wgmma<T, 64>::template ss<0, 0>(dpv, desc_sw128(sDO + b * kBM * 64 + off, 16, 1024),
-                                          desc_sw128(v_rows + b * kBN * 64 + off, 16, 1024), kk > 0);
+        for (int n = 0; n < 8; ++n) {
+          const int64_t j = j0 + cw * 64 + 8 * n + 2 * t;  // S is even: a pair is in or out whole
+          const bool in = i < p.L && j < p.S;
+          p_raw[n][r] = in ? load32(p_row + j) : 0u;
+          x_raw[n][r] = in && a.has_dp ? load32(x_row + j) : 0u;
+          *reinterpret_cast<uint32_t*>(p_blk + swizzled(n, r)) = p_raw[n][r];
         }
-        wgmma_commit();
       }
-      if (!a.p_tma) {  // P and dP_ext from global memory while dP runs; P into the stage for dV
-        const int64_t p_at = lead_off(p, p.probs, lead), x_at = a.has_dp ? lead_off(p, p.grad_probs, lead) : 0;
+      fence_proxy_async();
+      named_barrier(1 + cw, 128);
+    }
+    if constexpr (HAS_DO) {
+      fence_regs(dv);
+      wgmma_fence();
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int64_t i = i0 + warp * 16 + g + 8 * r;
-          const T* p_row = reinterpret_cast<const T*>(p.probs.data) + p_at + i * p.probs.row;
-          const T* x_row = reinterpret_cast<const T*>(p.grad_probs.data) + x_at + i * p.grad_probs.row;
+      for (int kk = 0; kk < kBM / 16; ++kk)
+        Wgmma<T, D>::template ss<1, 1>(dv, desc_sw128(p_blk + kk * 16 * 64, kBM * 128, 1024),
+                                       desc_sw128(sDO + kk * 16 * 64, kBM * 128, 1024), 1);
+      wgmma_commit();
+      wgmma_wait<1>();
+      fence_regs(dpv);
+    } else {
 #pragma unroll
-          for (int n = 0; n < 8; ++n) {
-            const int64_t j = j0 + cw * 64 + 8 * n + 2 * t;  // S is even: a pair is in or out whole
-            const bool in = i < p.L && j < p.S;
-            p_raw[n][r] = in ? load32(p_row + j) : 0u;
-            x_raw[n][r] = in && a.has_dp ? load32(x_row + j) : 0u;
-            *reinterpret_cast<uint32_t*>(p_blk + swizzled(n, r)) = p_raw[n][r];
-          }
-        }
-        fence_proxy_async();
-        named_barrier(1 + cw, 128);
-      }
-      if constexpr (HAS_DO) {
-        fence_regs(dv);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kBM / 16; ++kk)
-          Wgmma<T, D>::template ss<1, 1>(dv, desc_sw128(p_blk + kk * 16 * 64, kBM * 128, 1024),
-                                         desc_sw128(sDO + kk * 16 * 64, kBM * 128, 1024), 1);
-        wgmma_commit();
-        wgmma_wait<1>();
-        fence_regs(dpv);
-      } else {
-#pragma unroll
-        for (int i = 0; i < 32; ++i) dpv[i] = 0.0f;
-      }
-      if (a.p_tma) {
-#pragma unroll
-        for (int n = 0; n < 8; ++n)
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            p_raw[n][r] = load32(p_blk + swizzled(n, r));
-            x_raw[n][r] = a.has_dp ? load32(dp_blk + swizzled(n, r)) : 0u;
-          }
-      }
-
-      // dS_w = P ∘ (dP + dP_ext − delta) into shared memory in the same swizzled layout.
+      for (int i = 0; i < 32; ++i) dpv[i] = 0.0f;
+    }
+    if (a.p_tma) {
 #pragma unroll
       for (int n = 0; n < 8; ++n)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const float2 pv = unpack2<T>(p_raw[n][r]), ext = unpack2<T>(x_raw[n][r]);
-          const float d0 = dpv[4 * n + 2 * r] + ext.x - dl[r], d1 = dpv[4 * n + 2 * r + 1] + ext.y - dl[r];
-          *reinterpret_cast<uint32_t*>(ds_blk + swizzled(n, r)) = pack2<T>(pv.x * d0, pv.y * d1);
+          p_raw[n][r] = load32(p_blk + swizzled(n, r));
+          x_raw[n][r] = a.has_dp ? load32(dp_blk + swizzled(n, r)) : 0u;
         }
-      fence_proxy_async();  // the generic-proxy stores before the products' async-proxy reads
-      named_barrier(1 + cw, 128);
+    }
 
-      // dK_w += dS_wᵀ Q.
-      fence_regs(dk);
-      wgmma_fence();
+    // dS_w = P ∘ (dP + dP_ext − delta) into shared memory in the same swizzled layout.
 #pragma unroll
-      for (int kk = 0; kk < kBM / 16; ++kk)
-        Wgmma<T, D>::template ss<1, 1>(dk, desc_sw128(ds_blk + kk * 16 * 64, kBM * 128, 1024),
-                                       desc_sw128(sQ + kk * 16 * 64, kBM * 128, 1024), 1);
-      wgmma_commit();
-
-      // dQ(:, half cw) = dS K over all 128 keys, once the other warpgroup's dS is there too. The
-      // buffer is rewritten two steps later, after both warpgroups passed this barrier again.
-      named_barrier(3, 256);
-      float dq[kDq];
-      wgmma_fence();
+    for (int n = 0; n < 8; ++n)
 #pragma unroll
-      for (int kk = 0; kk < kBN / 16; ++kk) {
-        const int b = kk / 4, off = (kk % 4) * 16;
-        Wgmma<T, D / 2>::template ss<0, 1>(dq, desc_sw128(ds_buf + b * kBM * 64 + off, 16, 1024),
-                                           desc_sw128(k_cols + kk * 16 * 64, kBN * 128, 1024), kk > 0);
+      for (int r = 0; r < 2; ++r) {
+        const float2 pv = unpack2<T>(p_raw[n][r]), ext = unpack2<T>(x_raw[n][r]);
+        const float d0 = dpv[4 * n + 2 * r] + ext.x - dl[r], d1 = dpv[4 * n + 2 * r + 1] + ext.y - dl[r];
+        *reinterpret_cast<uint32_t*>(ds_blk + swizzled(n, r)) = pack2<T>(pv.x * d0, pv.y * d1);
       }
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_regs(dq);
-      fence_regs(dk);
-      fence_regs(dv);
-      if (lane == 0) mbar_arrive(&empty[st]);
+    fence_proxy_async();  // the generic-proxy stores before the products' async-proxy reads
+    named_barrier(1 + cw, 128);
 
-      float* dq_tile = dq_lead + qt * kBM * D + cw * (kBM * D / 2);
+    // dK_w += dS_wᵀ Q.
+    fence_regs(dk);
+    wgmma_fence();
 #pragma unroll
-      for (int f = 0; f < kDq / 4; ++f)
-        red_add4(dq_tile + (f * 128 + tid) * 4, dq[4 * f], dq[4 * f + 1], dq[4 * f + 2], dq[4 * f + 3]);
+    for (int kk = 0; kk < kBM / 16; ++kk)
+      Wgmma<T, D>::template ss<1, 1>(dk, desc_sw128(ds_blk + kk * 16 * 64, kBM * 128, 1024),
+                                     desc_sw128(sQ + kk * 16 * 64, kBM * 128, 1024), 1);
+    wgmma_commit();
+
+    // dQ(:, half cw) = dS K over all 128 keys, once the other warpgroup's dS is there too. The
+    // buffer is rewritten two steps later, after both warpgroups passed this barrier again.
+    named_barrier(3, 256);
+    float dq[kDq];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBN / 16; ++kk) {
+      const int b = kk / 4, off = (kk % 4) * 16;
+      Wgmma<T, D / 2>::template ss<0, 1>(dq, desc_sw128(ds_buf + b * kBM * 64 + off, 16, 1024),
+                                         desc_sw128(k_cols + kk * 16 * 64, kBN * 128, 1024), kk > 0);
+    }
+    wgmma_commit();
+    // dK (and before it dV) done: the stage can be refilled while dQ's product still runs.
+    wgmma_wait<1>();
+    if (lane == 0) mbar_arrive(&empty[st]);
+    wgmma_wait<0>();
+    fence_regs(dq);
+    fence_regs(dk);
+    fence_regs(dv);
+
+    float* dq_tile = dq_lead + qt * kBM * D + cw * (kBM * D / 2);
+#pragma unroll
+    for (int f = 0; f < kDq / 4; ++f)
+      red_add4(dq_tile + (f * 128 + tid) * 4, dq[4 * f], dq[4 * f + 1], dq[4 * f + 2], dq[4 * f + 3], l2_policy_evict_last());
+    if (++qt == a.q_tiles) {
+      qt = t_first;
+      lead = query_lead(a, kv, ++gi);
     }
   }
 
@@ -341,20 +355,23 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-// delta_i = dO_i · O_i + P_i · dP_ext,i in fp32, one warp per row; 16-byte loads where the rows
-// allow (VEC), else element by element.
-template <typename T, bool VEC>
-__global__ void delta_rows(const DevProblem p, float* delta) {
-  const int64_t row = blockIdx.x * static_cast<int64_t>(blockDim.x / 32) + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (row >= p.num_lead * p.L) return;
-  const int64_t lead = row / p.L, i = row % p.L;
+// delta_i = dO_i · O_i + P_i · dP_ext,i in fp32. 32 / RPW lanes per row: with dP_ext (S long
+// rows) a warp a row (RPW = 1); with dO alone (rows of at most 128 elements) four rows a warp, so a
+// lane has more than one short load in flight. VEC: 16-byte loads (rows allow), else elements.
+template <typename T, bool VEC, int RPW>
+__global__ void delta_rows(const DevProblem p, float* delta, int64_t q_tiles) {
+  constexpr int kLanes = 32 / RPW;  // per row
+  const int lane = threadIdx.x % 32, sub = lane % kLanes;
+  const int64_t row = (blockIdx.x * static_cast<int64_t>(blockDim.x / 32) + threadIdx.x / 32) * RPW + lane / kLanes;
+  const bool valid = row < p.num_lead * p.L;
+  const int64_t lead = valid ? row / p.L : 0, i = valid ? row % p.L : 0;
   auto dot = [&](const DevOperand& x, const DevOperand& y, int64_t n) {
     const T* xr = reinterpret_cast<const T*>(x.data) + lead_off(p, x, lead) + i * x.row;
     const T* yr = reinterpret_cast<const T*>(y.data) + lead_off(p, y, lead) + i * y.row;
     float acc = 0.0f;
+    if (!valid) return acc;
     if constexpr (VEC) {
-      for (int64_t e = lane * 8; e < n; e += 256) {
+      for (int64_t e = sub * 8; e < n; e += 8 * kLanes) {
         const uint4 xa = *reinterpret_cast<const uint4*>(xr + e), ya = *reinterpret_cast<const uint4*>(yr + e);
         const uint32_t xs[4] = {xa.x, xa.y, xa.z, xa.w}, ys[4] = {ya.x, ya.y, ya.z, ya.w};
 #pragma unroll
@@ -364,38 +381,47 @@ __global__ void delta_rows(const DevProblem p, float* delta) {
         }
       }
     } else {
-      for (int64_t e = lane; e < n; e += 32) acc = fmaf(to_float<T>(xr[e * x.col]), to_float<T>(yr[e * y.col]), acc);
+      for (int64_t e = sub; e < n; e += kLanes) acc = fmaf(to_float<T>(xr[e * x.col]), to_float<T>(yr[e * y.col]), acc);
     }
     return acc;
   };
   float acc = 0.0f;
   if (p.grad_out.data) acc += dot(p.grad_out, p.out, p.Ev);
   if (p.grad_probs.data) acc += dot(p.probs, p.grad_probs, p.S);
-  for (int s = 16; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
-  if (lane == 0) delta[row] = acc;
+  for (int s = kLanes / 2; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);  // within the row's lanes
+  if (valid && sub == 0) delta[lead * q_tiles * kBM + i] = acc;
 }
 
-// dQ = scale times the accumulator, from fragment order to the contiguous gradient: one thread
-// per 4 accumulators (rows g and g + 8, columns 2t and 2t + 1 of an 8-column group).
+// dQ = scale times the accumulator, one 64-row tile a block: the tile's accumulators (fragment
+// order, contiguous) into shared memory row by row, then out in 16-byte chunks of the gradient's
+// rows (E is a multiple of 8), so both reads and writes are coalesced.
 template <typename T, int D>
-__global__ void dq_from_fragments(const DevProblem p, const float* acc, T* dq, float scale, int64_t q_tiles) {
+__global__ void __launch_bounds__(256) dq_from_fragments(const DevProblem p, const float* acc, T* dq, float scale,
+                                                         int64_t q_tiles) {
+  constexpr int kLd = D + 4;  // floats a shared row (the padding spreads a column's banks)
   constexpr int kGroups = D / 16;  // 4-float groups per thread and warpgroup half
-  const int64_t total = p.num_lead * q_tiles * kBM * D / 4;
-  for (int64_t x = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; x < total;
-       x += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float4 v = reinterpret_cast<const float4*>(acc)[x];
-    const int tid = static_cast<int>(x % 128);
-    const int64_t rest = x / 128;
-    const int f = static_cast<int>(rest % kGroups), half = static_cast<int>((rest / kGroups) % 2);
-    const int64_t tile = rest / (2 * kGroups);  // lead * q_tiles + qt
-    const int64_t lead = tile / q_tiles, i0 = (tile % q_tiles) * kBM;
+  __shared__ float tile[kBM * kLd];
+  const int64_t lead = blockIdx.x / q_tiles, i0 = (blockIdx.x % q_tiles) * kBM;
+  const float4* src = reinterpret_cast<const float4*>(acc) + static_cast<int64_t>(blockIdx.x) * (kBM * D / 4);
+  for (int x = threadIdx.x; x < kBM * D / 4; x += 256) {
+    const float4 v = src[x];
+    const int tid = x % 128, rest = x / 128, f = rest % kGroups, half = rest / kGroups;
     const int warp = tid / 32, g = (tid % 32) >> 2, t = tid & 3;
-    const int col = half * (D / 2) + 8 * f + 2 * t;
-    if (col >= p.E) continue;
-    T* base = dq + dense_lead_off(p, p.q, lead);
-    const int64_t i = i0 + warp * 16 + g;
-    if (i < p.L) *reinterpret_cast<uint32_t*>(base + i * p.q.dense_row + col) = pack2<T>(v.x * scale, v.y * scale);
-    if (i + 8 < p.L) *reinterpret_cast<uint32_t*>(base + (i + 8) * p.q.dense_row + col) = pack2<T>(v.z * scale, v.w * scale);
+    const int r = warp * 16 + g, col = half * (D / 2) + 8 * f + 2 * t;
+    tile[r * kLd + col] = v.x;
+    tile[r * kLd + col + 1] = v.y;
+    tile[(r + 8) * kLd + col] = v.z;
+    tile[(r + 8) * kLd + col + 1] = v.w;
+  }
+  __syncthreads();
+  T* base = dq + dense_lead_off(p, p.q, lead);
+  for (int x = threadIdx.x; x < kBM * D / 8; x += 256) {
+    const int r = x / (D / 8), col = (x % (D / 8)) * 8;
+    if (i0 + r >= p.L || col >= p.E) continue;
+    const float* f = tile + r * kLd + col;
+    const uint4 out = make_uint4(pack2<T>(f[0] * scale, f[1] * scale), pack2<T>(f[2] * scale, f[3] * scale),
+                                 pack2<T>(f[4] * scale, f[5] * scale), pack2<T>(f[6] * scale, f[7] * scale));
+    *reinterpret_cast<uint4*>(base + (i0 + r) * p.q.dense_row + col) = out;
   }
 }
 
@@ -404,17 +430,18 @@ void launch(const CUtensorMap (&maps)[6], const DevProblem& p, const Args& a, co
             cudaStream_t stream) {
   const int64_t key_blocks = (p.S + kBN - 1) / kBN;
   const int64_t blocks = key_blocks * a.kv_leads;
-  if (blocks > 2147483647LL) throw Error(ErrorCode::CudaFailure, "too many key blocks for one CUDA launch");
+  if (blocks > 2147483647LL || a.group * a.q_tiles > 2147483647LL)
+    throw Error(ErrorCode::CudaFailure, "too many key blocks or query tiles for one CUDA launch");
   const auto kernel = a.has_do ? &backward_sm90<T, D, true> : &backward_sm90<T, D, false>;
   set_smem_limit(reinterpret_cast<const void*>(kernel), Tiles<D>::kSmem);
   kernel<<<static_cast<unsigned>(blocks), kThreads, Tiles<D>::kSmem, stream>>>(maps[0], maps[1], maps[2], maps[3],
                                                                              maps[4], maps[5], p, a);
   check_launch("sm90 backward");
   if (out.dq) {
-    const int64_t work = p.num_lead * a.q_tiles * kBM * D / 4;
-    const int64_t grid = std::min<int64_t>((work + 255) / 256, 65535);
-    dq_from_fragments<T, D><<<static_cast<unsigned>(grid), 256, 0, stream>>>(p, a.dq_acc, static_cast<T*>(out.dq), a.scale,
-                                                                           a.q_tiles);
+    const int64_t tiles = p.num_lead * a.q_tiles;
+    if (tiles > 2147483647LL) throw Error(ErrorCode::CudaFailure, "too many query tiles for one CUDA launch");
+    dq_from_fragments<T, D><<<static_cast<unsigned>(tiles), 256, 0, stream>>>(p, a.dq_acc, static_cast<T*>(out.dq),
+                                                                            a.scale, a.q_tiles);
     check_launch("sm90 dQ conversion");
   }
 }
@@ -456,10 +483,12 @@ bool backward_for(const DevProblem& p, const BackwardTargets& out, float* worksp
                                   rows_vectorizable(p.out, p.lead_ndim, p.Ev, 2, 8))) &&
                    (!a.has_dp || (rows_vectorizable(p.grad_probs, p.lead_ndim, p.S, 2, 8) &&
                                   rows_vectorizable(p.probs, p.lead_ndim, p.S, 2, 8)));
-  const int64_t delta_blocks = (rows + 7) / 8;
+  // 8 warps a block; four rows a warp without dP_ext.
+  const int64_t delta_blocks = a.has_dp ? (rows + 7) / 8 : (rows + 31) / 32;
   if (delta_blocks > 2147483647LL) throw Error(ErrorCode::CudaFailure, "too many rows for one CUDA launch");
-  if (vec) delta_rows<T, true><<<static_cast<unsigned>(delta_blocks), 256, 0, stream>>>(p, delta);
-  else delta_rows<T, false><<<static_cast<unsigned>(delta_blocks), 256, 0, stream>>>(p, delta);
+  const auto delta_kernel = a.has_dp ? (vec ? &delta_rows<T, true, 1> : &delta_rows<T, false, 1>)
+                                     : (vec ? &delta_rows<T, true, 4> : &delta_rows<T, false, 4>);
+  delta_kernel<<<static_cast<unsigned>(delta_blocks), 256, 0, stream>>>(p, delta, a.q_tiles);
   check_launch("sm90 delta");
   if (D == 64) launch<T, 64>(maps, p, a, out, stream);
   else launch<T, 128>(maps, p, a, out, stream);
@@ -486,7 +515,7 @@ bool backward_applies(const DevProblem& p) {
   return p.L > 0 && p.S > 0 && p.L <= 2147483647LL && p.S <= 2147483647LL && device_supported();
 }
 
-int64_t backward_delta_floats(const DevProblem& p) { return (p.num_lead * p.L + 3) / 4 * 4; }
+int64_t backward_delta_floats(const DevProblem& p) { return p.num_lead * ((p.L + kBM - 1) / kBM) * kBM; }
 
 int64_t backward_workspace_floats(const DevProblem& p) {
   return backward_delta_floats(p) + p.num_lead * ((p.L + kBM - 1) / kBM) * kBM * padded_head(p.E);

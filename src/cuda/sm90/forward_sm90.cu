@@ -60,17 +60,6 @@ struct Args {
   float scale_log2;
 };
 
-// Row max with NaN propagation (fmaxf drops NaN; the math op's softmax does not).
-SDPA_MATH_D float max_nan(float a, float b) {
-  float r;
-  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
-SDPA_MATH_D float quad_max_nan(float x) {
-  x = max_nan(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  return max_nan(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-
 // Max over this thread's elements of accumulator row r (s[4n + 2r], s[4n + 2r + 1]) as a tree,
 // not a 32-long chain of dependent instructions.
 template <int N>
