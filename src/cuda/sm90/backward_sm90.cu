@@ -371,6 +371,7 @@ __global__ void delta_rows(const DevProblem p, float* delta, int64_t q_tiles) {
     float acc = 0.0f;
     if (!valid) return acc;
     if constexpr (VEC) {
+#pragma unroll 4  // several 16-byte loads in flight per lane: long rows run at copy bandwidth
       for (int64_t e = sub * 8; e < n; e += 8 * kLanes) {
         const uint4 xa = *reinterpret_cast<const uint4*>(xr + e), ya = *reinterpret_cast<const uint4*>(yr + e);
         const uint32_t xs[4] = {xa.x, xa.y, xa.z, xa.w}, ys[4] = {ya.x, ya.y, ya.z, ya.w};
