@@ -193,12 +193,14 @@ void backward_with(const core::Problem& p, DevProblem& dp, const BackwardOutputs
     return v ? scratch.zeros<Acc>(std::max<int64_t>(v->numel(), 1)) : nullptr;
   };
   // Except dK and dV where the tensor-core kernel can store them itself: the gradient is
-  // contiguous in the inputs' dtype and no two heads share a key row (no GQA, no broadcast), so
-  // one CTA holds the whole sum of each row. The kernel runs whenever there are query rows.
+  // contiguous in the inputs' dtype and one CTA holds the whole sum of each row — no two heads
+  // share a key row (no GQA, no broadcast), or the decode kernel takes each whole GQA group in
+  // one CTA. The kernel runs whenever there are query rows.
   const bool tensor_core = p.num_lead * p.L > 0 && tensor_core_backward_applies(dp);
+  const int64_t heads_per_cta = tensor_core && decode_backward_applies(dp) ? decode_heads_per_cta(dp) : 1;
   auto stored_directly = [&](const std::optional<TensorView>& v, const core::Operand& op, int64_t width) {
     return tensor_core && v && v->dtype == p.dtype && v->is_contiguous() &&
-           op.own_shape.numel() == p.num_lead * p.S * width;
+           op.own_shape.numel() * heads_per_cta == p.num_lead * p.S * width;
   };
   g.dq = buffer_for(out.grad_query);
   if (stored_directly(out.grad_key, p.key, p.E)) g.dk_out = out.grad_key->data;
@@ -227,9 +229,7 @@ void forward(const core::Problem& p, const ForwardOutputs& out, const CudaExecut
   // The paths in order of preference; the first that takes the problem runs it.
   if (decode_applies(dp)) {  // up to 4 query rows: split over keys
     Scratch scratch(ex, stream);
-    float* stats = scratch.zeros<float>(decode_stats_floats(dp));
-    float* out_acc = scratch.zeros<float>(p.num_lead * p.L * p.Ev);
-    decode_forward(dp, stats, out_acc, stream);
+    decode_forward(dp, scratch.uninitialized<float>(decode_workspace_floats(dp)), stream);
     return;
   }
 #ifdef SDPA_MATH_WITH_SM90

@@ -20,27 +20,69 @@ namespace {
 constexpr int kThreads = 128;  // 4 warps
 constexpr int kBM = 64;        // query rows per sweep step
 
-// delta_i = dO_i . O_i + P_i . dP_i, one warp per row.
-__global__ void delta_from_memory(DevProblem p, float* delta) {
-  const int64_t row = blockIdx.x * static_cast<int64_t>(blockDim.x / 32) + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (row >= p.num_lead * p.L) return;
-  const int64_t lead = row / p.L, i = row % p.L;
+// delta_i = dO_i . O_i + P_i . dP_i, G lanes per row: a warp, or the whole CTA for rows as long
+// as decode's (few rows of many keys, where a warp per row left the chip idle). P and dP move 16
+// bytes a lane where their rows are contiguous and aligned, with independent sums in flight.
+template <typename T, int G>
+__global__ void __launch_bounds__(kThreads) delta_from_memory(DevProblem p, float* delta) {
+  __shared__ float red[kThreads / 32];
+  const int64_t row = blockIdx.x * static_cast<int64_t>(kThreads / G) + threadIdx.x / G;
+  const int t = threadIdx.x % G;
+  const bool live = row < p.num_lead * p.L;  // the same for all G lanes of a row
   float acc = 0.0f;
-  if (p.grad_out.data) {
-    const int64_t go = lead_off(p, p.grad_out, lead) + i * p.grad_out.row, o = lead_off(p, p.out, lead) + i * p.out.row;
-    for (int64_t e = lane; e < p.Ev; e += 32)
-      acc += load_elem<float>(p.grad_out.dtype, p.grad_out.data, go + e * p.grad_out.col) *
-             load_elem<float>(p.out.dtype, p.out.data, o + e * p.out.col);
+  if (live) {
+    const int64_t lead = row / p.L, i = row % p.L;
+    if (p.grad_out.data) {
+      const int64_t go = lead_off(p, p.grad_out, lead) + i * p.grad_out.row, o = lead_off(p, p.out, lead) + i * p.out.row;
+      for (int64_t e = t; e < p.Ev; e += G)
+        acc += load_elem<float>(p.grad_out.dtype, p.grad_out.data, go + e * p.grad_out.col) *
+               load_elem<float>(p.out.dtype, p.out.data, o + e * p.out.col);
+    }
+    if (p.grad_probs.data) {
+      const T* gp = reinterpret_cast<const T*>(p.grad_probs.data) + lead_off(p, p.grad_probs, lead) + i * p.grad_probs.row;
+      const T* pr = reinterpret_cast<const T*>(p.probs.data) + lead_off(p, p.probs, lead) + i * p.probs.row;
+      float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      int64_t j_tail = 0;
+      if (p.grad_probs.col == 1 && p.probs.col == 1 && reinterpret_cast<uintptr_t>(gp) % 16 == 0 &&
+          reinterpret_cast<uintptr_t>(pr) % 16 == 0) {
+        const int64_t chunks = p.S / 8;
+        for (int64_t c = t; c < chunks; c += G) {
+          const uint4 x = __ldg(reinterpret_cast<const uint4*>(gp) + c), y = __ldg(reinterpret_cast<const uint4*>(pr) + c);
+          T xs[8], ys[8];
+          memcpy(xs, &x, 16);
+          memcpy(ys, &y, 16);
+#pragma unroll
+          for (int n = 0; n < 8; ++n) part[n % 4] += to_float<T>(xs[n]) * to_float<T>(ys[n]);
+        }
+        j_tail = chunks * 8;
+      }
+#pragma unroll 4
+      for (int64_t j = j_tail + t; j < p.S; j += G)
+        part[0] += to_float<T>(gp[j * p.grad_probs.col]) * to_float<T>(pr[j * p.probs.col]);
+      acc += (part[0] + part[1]) + (part[2] + part[3]);
+    }
   }
-  if (p.grad_probs.data) {
-    const int64_t gp = lead_off(p, p.grad_probs, lead) + i * p.grad_probs.row, pr = lead_off(p, p.probs, lead) + i * p.probs.row;
-    for (int64_t j = lane; j < p.S; j += 32)
-      acc += load_elem<float>(p.grad_probs.dtype, p.grad_probs.data, gp + j * p.grad_probs.col) *
-             load_elem<float>(p.probs.dtype, p.probs.data, pr + j * p.probs.col);
-  }
+#pragma unroll
   for (int s = 16; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
-  if (lane == 0) delta[row] = acc;
+  if constexpr (G > 32) {
+    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0 && live) {
+      float total = 0.0f;
+      for (int w = 0; w < kThreads / 32; ++w) total += red[w];
+      delta[row] = total;
+    }
+  } else {
+    if (t == 0 && live) delta[row] = acc;
+  }
+}
+
+template <typename T>
+void launch_delta_from_memory(const DevProblem& p, float* delta, cudaStream_t stream) {
+  const int64_t rows = p.num_lead * p.L;
+  if (p.S >= 1024) delta_from_memory<T, kThreads><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(p, delta);
+  else delta_from_memory<T, 32><<<static_cast<unsigned>((rows + 3) / 4), kThreads, 0, stream>>>(p, delta);
+  check_launch("delta");
 }
 
 struct BackwardFlags {
@@ -317,9 +359,9 @@ bool tensor_core_backward(const DevProblem& p, const BackwardBuffers<float>& g, 
   if (rows == 0) return true;
   const bool delta_in_memory = (!p.grad_out.data || p.out.data) && (!p.grad_probs.data || p.probs.data);
   if (delta_in_memory) {
-    const int64_t blocks = (rows + 3) / 4;
-    delta_from_memory<<<static_cast<unsigned>(blocks), 128, 0, stream>>>(p, g.delta);
-    check_launch("delta");
+    if (rows > 2147483647LL) throw Error(ErrorCode::CudaFailure, "too many query rows for one CUDA launch");
+    if (p.q.dtype == DType::Float16) launch_delta_from_memory<__half>(p, g.delta, stream);
+    else launch_delta_from_memory<__nv_bfloat16>(p, g.delta, stream);
   } else {
     generic_delta<float>(p, g.delta, stream);
   }

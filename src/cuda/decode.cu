@@ -1,18 +1,21 @@
-// The forward for a few query rows (decode: L <= kDecodeMaxRows), fp16, bf16 and fp32 inputs
+// The kernels for a few query rows (decode: L <= kDecodeMaxRows), fp16, bf16 and fp32 inputs
 // with fp32 arithmetic. A tile kernel would give one CTA per head and waste all but L of its 64
 // rows; here the keys of each head are split into blocks of kSplitKeys and every (head, block)
-// is a CTA, so the chip fills however few heads there are. The time is reading K and V:
-//   1) decode_stats: per (head, block) and row, the block's max and sum of exp (reads K);
-//   2) decode_probs: per (head, block), the row's max and sum from all blocks' stats, then
-//      P = exp(s - m) / l written once (K read again: it is never kept, so the extra memory stays
-//      a few KB of stats plus an fp32 O), and the block's share of O = sum_j P_j V_j added
-//      atomically to the fp32 O;
-//   3) decode_output: O rounded to its dtype (times c for an explicit dropout mask).
+// is a CTA, so the chip fills however few heads there are. The time is reading K and V, so the
+// forward reads each once:
+//   1) decode_partial: per (head, block), each key's logit s (kept in an fp32 workspace, since
+//      P needs the row's max and sum over all blocks), and the block's max m_b, sum of
+//      exp(s - m_b) and unnormalized share of O, sum_j exp(s_j - m_b) M_j V_j (M: the returned P's dropout
+//      factor), with K and V rows loaded together;
+//   2) decode_finalize: per row, the max and sum over blocks, the log-sum-exp, O from the
+//      blocks' shares, and P = exp(s - m) / l from the kept logits.
+// The workspace is L*S + L*blocks*(Ev + 2) floats per head; heads are taken in chunks so that it
+// stays within kWorkspaceFloats (one head's worth at least).
 // decode_backward (fp16/bf16) reads each K and V row once per key block likewise.
 // Rows of K and V are read 16 bytes per lane, a key row split over LPK lanes, so a warp covers
-// 32 / LPK keys per load and issues the loads of several steps together; on the H200 these
-// kernels reach about half the DRAM bandwidth (bench/NOTES.md, step 13). Every contract rule
-// (mask, causal, dropout, fully masked rows) comes from device_problem.cuh.
+// 32 / LPK keys per load and issues the loads of several steps together. Every contract rule
+// (mask, causal, dropout, fully masked and NaN rows) comes from device_problem.cuh.
+#include <algorithm>
 #include <type_traits>
 
 #include "decode.cuh"
@@ -24,9 +27,11 @@ namespace {
 
 constexpr int kThreads = 128;  // 4 warps
 constexpr int kWarps = kThreads / 32;
-constexpr int kMinBlocksPerSM = 4;  // at most 128 registers: 16 warps per SM
 constexpr int kSplitKeys = 256;
 constexpr int kUnroll = 4;          // warp steps whose loads are issued together
+constexpr int kFinalizeThreads = 256;
+constexpr int64_t kFinalizeKeys = 4096;               // keys of one row per finalize CTA
+constexpr int64_t kWorkspaceFloats = (64 << 20) / 4;  // 64 MiB
 
 // How DT head elements of T are spread over a warp: 16-byte chunks of EPL elements, LPK lanes
 // per key row holding CH chunks each, KPW key rows per warp step.
@@ -39,11 +44,19 @@ struct Layout {
   static constexpr int KPW = 32 / LPK;
 };
 
-struct DecodeBuffers {
-  float* stats;    // [lead][row][block][2]: the block's max and sum of exp
-  float* out;      // [lead][row][Ev]: O in fp32, accumulated over blocks
+// The forward's workspace for the chunk of heads [lead0, lead0 + chunk).
+struct DecodeWorkspace {
+  float* scores;   // [chunk][row][S]: the masked logits
+  float* stats;    // [chunk][row][block][2]: the block's max m_b and sum of exp(s - m_b)
+  float* partial;  // [chunk][row][block][Ev]: the block's sum of exp(s - m_b) M V
   int64_t blocks;  // key blocks per head
+  int64_t lead0;
+  int64_t heads;   // heads per CTA (heads_per_cta)
 };
+
+// exp(x - m) as a weight relative to a max m >= x: 0 for x = -inf (also when m = -inf, which
+// would give NaN), NaN when either is NaN.
+SDPA_MATH_D float weight_to(float x, float m) { return x == neg_inf<float>() ? 0.0f : __expf(x - m); }
 
 template <typename T>
 SDPA_MATH_D void unpack16(const uint4& raw, float (&x)[16 / sizeof(T)]) {
@@ -60,6 +73,25 @@ SDPA_MATH_D void unpack16(const uint4& raw, float (&x)[16 / sizeof(T)]) {
       x[2 * i] = to_float<T>(lo);
       x[2 * i + 1] = to_float<T>(hi);
     }
+  }
+}
+
+// Eight (fp16/bf16) or four (fp32) floats rounded to T, as one 16-byte word.
+template <typename T>
+SDPA_MATH_D uint4 pack16(const float (&x)[16 / sizeof(T)]) {
+  if constexpr (std::is_same_v<T, float>) {
+    return make_uint4(__float_as_uint(x[0]), __float_as_uint(x[1]), __float_as_uint(x[2]), __float_as_uint(x[3]));
+  } else {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const T lo = from_float<T>(x[2 * i]), hi = from_float<T>(x[2 * i + 1]);
+      uint16_t bl, bh;
+      memcpy(&bl, &lo, 2);
+      memcpy(&bh, &hi, 2);
+      w[i] = static_cast<uint32_t>(bl) | (static_cast<uint32_t>(bh) << 16);
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
   }
 }
 
@@ -84,36 +116,83 @@ SDPA_MATH_D void load_rows(const DevOperand& op, int64_t at, int64_t j0, int64_t
   }
 }
 
-// The query rows of this head in shared memory as fp32 (rows x DT, zero past E).
-template <int DT>
-SDPA_MATH_D void load_queries(const DevProblem& p, int64_t lead, float* q) {
-  const int64_t q_at = lead_off(p, p.q, lead);
-  for (int64_t n = threadIdx.x; n < p.L * DT; n += kThreads) {
-    const int64_t r = n / DT, e = n % DT;
-    q[n] = e < p.E ? load_elem<float>(p.q.dtype, p.q.data, q_at + r * p.q.row + e * p.q.col) : 0.0f;
+// The query rows one CTA takes: `heads` consecutive heads (leads) that read the same key head
+// (GQA's group, or one head), L rows each. CTA row x is row x % L of lead first_lead + x / L;
+// rows are numbered lead * L + r in the workspace and in delta. Reading K and V once for the
+// whole group, rather than once per head, is what makes GQA decode cost what MHA decode costs.
+struct RowInfo {
+  int64_t lead;
+  int r;
+  int64_t mask_at, dmask_at, probs_at, grad_probs_at;  // lead offsets (+ r * row for P and dP)
+};
+
+template <int R>
+SDPA_MATH_D void describe_rows(const DevProblem& p, int64_t first_lead, int count, RowInfo (&rows)[R]) {
+  if (threadIdx.x < count) {
+    RowInfo& ri = rows[threadIdx.x];
+    ri.lead = first_lead + threadIdx.x / p.L;
+    ri.r = static_cast<int>(threadIdx.x % p.L);
+    ri.mask_at = p.mask.data ? lead_off(p, p.mask, ri.lead) : 0;
+    ri.dmask_at = p.dmask.data ? lead_off(p, p.dmask, ri.lead) : 0;
+    ri.probs_at = p.probs.data ? lead_off(p, p.probs, ri.lead) + ri.r * p.probs.row : 0;
+    ri.grad_probs_at = p.grad_probs.data ? lead_off(p, p.grad_probs, ri.lead) + ri.r * p.grad_probs.row : 0;
   }
 }
 
-// The masked logits of the keys this lane's group reads in kUnroll warp steps from j0: key
-// j0 + u * KPW + (lane / LPK). Every lane of a group gets its key's sums; rows past L and keys
+// Rows of operand op (q or dO) for the CTA's rows in shared memory as fp32 (count x DT, zero
+// past width; all zero when op is absent).
+template <int DT>
+SDPA_MATH_D void load_query_rows(const DevProblem& p, const DevOperand& op, int64_t width, int64_t first_lead,
+                                 int count, float* dst) {
+  for (int64_t n = threadIdx.x; n < count * DT; n += kThreads) {
+    const int64_t x = n / DT, e = n % DT, lead = first_lead + x / p.L, r = x % p.L;
+    dst[n] = op.data && e < width ? load_elem<float>(op.dtype, op.data, lead_off(p, op, lead) + r * op.row + e * op.col) : 0.0f;
+  }
+}
+
+// The contract's logit and keep factor for CTA row ri and key j. PLAIN kernels are the ones
+// launched without a mask, causal or dropout: their per-key work skips those rules' branches.
+template <bool PLAIN>
+SDPA_MATH_D float logit_at(const DevProblem& p, float dot, const RowInfo& ri, int64_t j) {
+  if constexpr (PLAIN) return dot * static_cast<float>(p.scale);
+  else return masked_logit<float>(p, dot, ri.mask_at, ri.r, j);
+}
+template <bool PLAIN>
+SDPA_MATH_D float keep_at(const DevProblem& p, const RowInfo& ri, int64_t j) {
+  if constexpr (PLAIN) return 1.0f;
+  else return keep_of<float>(p, ri.dmask_at, ri.lead, ri.r, j);
+}
+SDPA_MATH_HD bool plain(const DevProblem& p) { return !p.mask.data && !p.causal && p.dropout == Dropout::None; }
+
+// How many heads of one key head's group a CTA takes: the most that divide the group with
+// heads * L <= kDecodeMaxRows (1 without GQA).
+int64_t heads_per_cta(const DevProblem& p) {
+  const int64_t g = p.k.head_group == p.v.head_group ? p.k.head_group : 1;
+  int64_t h = 1;
+  for (int64_t d = 1; d <= g; ++d)
+    if (g % d == 0 && d * p.L <= kDecodeMaxRows) h = d;
+  return h;
+}
+
+// The masked logits of key rows whose K chunks this lane holds (U warp steps from j0): key
+// j0 + u * KPW + (lane / LPK). Every lane of a group gets its key's logit; rows past L and keys
 // past j_end give -inf.
-template <typename T, int DT>
-SDPA_MATH_D void key_logits(const DevProblem& p, const float* q, int64_t k_at, int64_t m_at, int64_t j0,
-                            int64_t j_end, int lane, float (&s)[kUnroll][kDecodeMaxRows]) {
+template <typename T, int DT, int U, int R, bool PLAIN>
+SDPA_MATH_D void key_logits(const DevProblem& p, const float* q, const RowInfo (&rows)[R], int count,
+                            const uint4 (&raw)[U][Layout<T, DT>::CH], int64_t j0, int64_t j_end, int lane,
+                            float (&s)[U][R]) {
   using Lay = Layout<T, DT>;
   const int sub = lane % Lay::LPK, kofs = lane / Lay::LPK;
-  uint4 raw[kUnroll][Lay::CH];
-  load_rows<T, DT, kUnroll>(p.k, k_at, j0, j_end, p.E, lane, true, raw);
 #pragma unroll
-  for (int u = 0; u < kUnroll; ++u)
+  for (int u = 0; u < U; ++u)
 #pragma unroll
-    for (int r = 0; r < kDecodeMaxRows; ++r) s[u][r] = neg_inf<float>();
-  // Rows past L are skipped (L is the same for the whole warp): decode's one row costs one pass.
+    for (int r = 0; r < R; ++r) s[u][r] = neg_inf<float>();
+  // Rows past count are skipped (the same for the whole CTA): decode's one row costs one pass.
 #pragma unroll
-  for (int r = 0; r < kDecodeMaxRows; ++r) {
-    if (r >= p.L) break;
+  for (int r = 0; r < R; ++r) {
+    if (r >= count) break;
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < U; ++u) {
       float acc = 0.0f;
 #pragma unroll
       for (int c = 0; c < Lay::CH; ++c) {
@@ -126,217 +205,268 @@ SDPA_MATH_D void key_logits(const DevProblem& p, const float* q, int64_t k_at, i
 #pragma unroll
       for (int o = Lay::LPK / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
       const int64_t j = j0 + u * Lay::KPW + kofs;
-      if (j < j_end) s[u][r] = masked_logit<float>(p, acc, m_at, r, j);
+      if (j < j_end) s[u][r] = logit_at<PLAIN>(p, acc, rows[r], j);
     }
   }
 }
 
-template <typename T, int DT>
-__global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) decode_stats(DevProblem p, DecodeBuffers b) {
+// One pass over a block's K and V rows. Each group of LPK lanes keeps, per row, a running max m,
+// sum l of exp(s - m) and its chunks of sum exp(s - m) M V (M: returned_prob's dropout factor; O's
+// own factor comes at the end), rescaled
+// when m grows; the groups, then the warps are merged at the end.
+template <typename T, int DT, int R, bool PLAIN>
+__global__ void __launch_bounds__(kThreads, R == 1 ? 5 : 3) decode_partial(DevProblem p, DecodeWorkspace w) {
   using Lay = Layout<T, DT>;
+  constexpr int U = Lay::CH == 1 ? kUnroll / 2 : kUnroll / 4;  // per buffer; register budget at head 256
   extern __shared__ float smem[];
-  float* q = smem;              // L x DT
-  float* part = q + p.L * DT;   // warps x kDecodeMaxRows x 2
-  const int64_t lead = blockIdx.x / b.blocks, blk = blockIdx.x % b.blocks;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  load_queries<DT>(p, lead, q);
-  __syncthreads();
-  const int64_t k_at = lead_off(p, p.k, lead), m_at = p.mask.data ? lead_off(p, p.mask, lead) : 0;
-  const int64_t j_end = min(p.S, (blk + 1) * kSplitKeys);
-  constexpr int kStep = kUnroll * Lay::KPW;  // keys per warp step
-  float m[kDecodeMaxRows], l[kDecodeMaxRows];
-#pragma unroll
-  for (int r = 0; r < kDecodeMaxRows; ++r) {
-    m[r] = neg_inf<float>();
-    l[r] = 0.0f;
-  }
-  for (int64_t j0 = blk * kSplitKeys + warp * kStep; j0 < j_end; j0 += kWarps * kStep) {
-    float s[kUnroll][kDecodeMaxRows];
-    key_logits<T, DT>(p, q, k_at, m_at, j0, j_end, lane, s);
-    if (lane % Lay::LPK == 0)  // one lane per key adds it
-#pragma unroll
-      for (int r = 0; r < kDecodeMaxRows; ++r) {
-        if (r >= p.L) break;
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) lse_combine<float>(m[r], l[r], s[u][r], 1.0f);
-      }
-  }
-  // Over the warp's key groups, then over warps.
-#pragma unroll
-  for (int r = 0; r < kDecodeMaxRows; ++r) {
-    if (r >= p.L) break;
-#pragma unroll
-    for (int o = 16; o >= Lay::LPK; o >>= 1)
-      lse_combine<float>(m[r], l[r], __shfl_xor_sync(0xffffffffu, m[r], o), __shfl_xor_sync(0xffffffffu, l[r], o));
-    if (lane == 0) {
-      part[(warp * kDecodeMaxRows + r) * 2] = m[r];
-      part[(warp * kDecodeMaxRows + r) * 2 + 1] = l[r];
-    }
-  }
-  __syncthreads();
-  if (threadIdx.x < p.L) {
-    const int r = threadIdx.x;
-    float mm = neg_inf<float>(), ll = 0.0f;
-    for (int w = 0; w < kWarps; ++w) lse_combine<float>(mm, ll, part[(w * kDecodeMaxRows + r) * 2], part[(w * kDecodeMaxRows + r) * 2 + 1]);
-    float* st = b.stats + ((lead * p.L + r) * b.blocks + blk) * 2;
-    st[0] = mm;
-    st[1] = ll;
-  }
-}
-
-template <typename T, int DT>
-__global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) decode_probs(DevProblem p, DecodeBuffers b) {
-  using Lay = Layout<T, DT>;
-  extern __shared__ float smem[];
-  float* q = smem;                            // L x DT
-  float* w = q + p.L * DT;                    // L x kSplitKeys: the returned P of this block
-  float* row_max = w + p.L * kSplitKeys;      // kDecodeMaxRows
-  float* row_sum = row_max + kDecodeMaxRows;  // kDecodeMaxRows
-  float* part = row_sum + kDecodeMaxRows;     // warps x DT (one row at a time)
-  const int64_t lead = blockIdx.x / b.blocks, blk = blockIdx.x % b.blocks;
+  __shared__ RowInfo rows[R];
+  const int count = static_cast<int>(w.heads * p.L);  // rows of this CTA, <= R
+  float* q = smem;                       // count x DT
+  float* sc = q + count * DT;            // count x kSplitKeys: the block's logits
+  float* wstat = sc + count * kSplitKeys;  // warps x R x 2: each warp's (m, l)
+  float* wacc = wstat + kWarps * R * 2;  // warps x R x DT: each warp's share of O
+  const int64_t blk = blockIdx.x % w.blocks, first_lead = w.lead0 + blockIdx.x / w.blocks * w.heads;
+  const int64_t row0 = (first_lead - w.lead0) * p.L;  // the CTA's first row in the workspace
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int sub = lane % Lay::LPK, kofs = lane / Lay::LPK;
-  load_queries<DT>(p, lead, q);
-  if (threadIdx.x < p.L) {
-    const int r = threadIdx.x;
-    float mm = neg_inf<float>(), ll = 0.0f;
-    const float* st = b.stats + (lead * p.L + r) * b.blocks * 2;
-    for (int64_t c = 0; c < b.blocks; ++c) lse_combine<float>(mm, ll, st[2 * c], st[2 * c + 1]);
-    row_max[r] = mm;
-    row_sum[r] = ll;
-    // The log-sum-exp, once per row (contract §6: -inf for a fully masked row, NaN for a NaN one).
-    if (blk == 0)
-      store_elem<float>(p.lse.dtype, p.lse.data, lead_off(p, p.lse, lead) + r * p.lse.row, lse_from_max_sum<float>(mm, ll));
-  }
+  describe_rows<R>(p, first_lead, count, rows);
+  load_query_rows<DT>(p, p.q, p.E, first_lead, count, q);
   __syncthreads();
-
-  // P of this block's keys from the row's max and sum: written once, and kept for O.
-  const int64_t k_at = lead_off(p, p.k, lead), v_at = lead_off(p, p.v, lead);
-  const int64_t m_at = p.mask.data ? lead_off(p, p.mask, lead) : 0;
-  const int64_t d_at = p.dmask.data ? lead_off(p, p.dmask, lead) : 0;
-  const int64_t p_at = lead_off(p, p.probs, lead);
+  const int64_t k_at = lead_off(p, p.k, first_lead), v_at = lead_off(p, p.v, first_lead);
   const int64_t first = blk * kSplitKeys, j_end = min(p.S, first + kSplitKeys), n = j_end - first;
-  constexpr int kStep = kUnroll * Lay::KPW;
-  for (int64_t j0 = first + warp * kStep; j0 < j_end; j0 += kWarps * kStep) {
-    float s[kUnroll][kDecodeMaxRows];
-    key_logits<T, DT>(p, q, k_at, m_at, j0, j_end, lane, s);
+  constexpr int kStep = U * Lay::KPW;  // keys per warp step
+  float m[R], l[R], acc[R][Lay::CH][Lay::EPL];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t j = j0 + u * Lay::KPW + kofs;
-#pragma unroll
-      for (int r = 0; r < kDecodeMaxRows; ++r) {
-        if (r >= p.L) break;
-        if (j < j_end && sub == 0) {  // one lane per key writes its P
-          const float pr = returned_prob<float>(p, prob_from_max_sum<float>(s[u][r], row_max[r], row_sum[r]),
-                                                keep_of<float>(p, d_at, lead, r, j));
-          w[r * kSplitKeys + (j - first)] = pr;
-          store_elem<float>(p.probs.dtype, p.probs.data, p_at + r * p.probs.row + j * p.probs.col, pr);
-        }
-      }
-    }
-  }
-  __syncthreads();
-
-  // This block's share of O: each lane group takes every KPW-th key of its warp's steps, LPK
-  // lanes over the value row; summed over groups (shuffles) and warps (shared memory), then
-  // added to the fp32 O.
-  for (int r = 0; r < p.L; ++r) {
-    float acc[Lay::CH][Lay::EPL] = {};
-    for (int64_t jj0 = warp * kStep; jj0 < n; jj0 += kWarps * kStep) {
-      uint4 raw[kUnroll][Lay::CH];
-      load_rows<T, DT, kUnroll>(p.v, v_at, first + jj0, j_end, p.Ev, lane, true, raw);
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t jj = jj0 + u * Lay::KPW + kofs;
-        const float pr = jj < n ? w[r * kSplitKeys + jj] : 0.0f;
-#pragma unroll
-        for (int c = 0; c < Lay::CH; ++c) {
-          float x[Lay::EPL];
-          unpack16<T>(raw[u][c], x);
-#pragma unroll
-          for (int i = 0; i < Lay::EPL; ++i) acc[c][i] += pr * x[i];
-        }
-      }
-    }
+  for (int r = 0; r < R; ++r) {
+    m[r] = neg_inf<float>();
+    l[r] = 0.0f;
 #pragma unroll
     for (int c = 0; c < Lay::CH; ++c)
 #pragma unroll
-      for (int i = 0; i < Lay::EPL; ++i) {
-        float v = acc[c][i];
+      for (int i = 0; i < Lay::EPL; ++i) acc[r][c][i] = 0.0f;
+  }
+  // One warp step: the logits of its keys and the online update of m, l and the share of O.
+  auto consume = [&](int64_t j0, const uint4 (&kraw)[U][Lay::CH], const uint4 (&vraw)[U][Lay::CH]) {
+    float s[U][R];
+    key_logits<T, DT, U, R, PLAIN>(p, q, rows, count, kraw, j0, j_end, lane, s);
+    float vx[U][Lay::CH][Lay::EPL];
 #pragma unroll
-        for (int o = 16; o >= Lay::LPK; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-        if (kofs == 0) part[warp * DT + (sub + c * Lay::LPK) * Lay::EPL + i] = v;
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int c = 0; c < Lay::CH; ++c) unpack16<T>(vraw[u][c], vx[u][c]);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (r >= count) break;
+      float mx = m[r];
+#pragma unroll
+      for (int u = 0; u < U; ++u) mx = max_nan(mx, s[u][r]);
+      const float alpha = weight_to(m[r], mx);
+      l[r] *= alpha;
+#pragma unroll
+      for (int c = 0; c < Lay::CH; ++c)
+#pragma unroll
+        for (int i = 0; i < Lay::EPL; ++i) acc[r][c][i] *= alpha;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t j = j0 + u * Lay::KPW + kofs;
+        const float e = weight_to(s[u][r], mx);
+        l[r] += e;
+        if (j < j_end && sub == 0) sc[r * kSplitKeys + (j - first)] = s[u][r];
+        const float wv = PLAIN || p.dropout == Dropout::None ? e : returned_prob<float>(p, e, keep_at<PLAIN>(p, rows[r], j));
+#pragma unroll
+        for (int c = 0; c < Lay::CH; ++c)
+#pragma unroll
+          for (int i = 0; i < Lay::EPL; ++i) acc[r][c][i] += wv * vx[u][c][i];
       }
-    __syncthreads();
-    for (int64_t e = threadIdx.x; e < p.Ev; e += kThreads) {
-      float total = 0.0f;
-      for (int x = 0; x < kWarps; ++x) total += part[x * DT + e];
-      if (total != 0.0f) atomicAdd(b.out + (lead * p.L + r) * p.Ev + e, total);
+      m[r] = mx;
     }
-    __syncthreads();
+  };
+  // Two register buffers: the next step's rows are in flight while this step's are used. (A
+  // loop unrolled by two, with no copy of the buffer, ran no faster: bench/NOTES.md.)
+  constexpr int64_t kStride = kWarps * kStep;
+  uint4 knext[U][Lay::CH], vnext[U][Lay::CH];
+  load_rows<T, DT, U>(p.k, k_at, first + warp * kStep, j_end, p.E, lane, true, knext);
+  load_rows<T, DT, U>(p.v, v_at, first + warp * kStep, j_end, p.Ev, lane, true, vnext);
+  for (int64_t j0 = first + warp * kStep; j0 < j_end; j0 += kStride) {
+    uint4 kraw[U][Lay::CH], vraw[U][Lay::CH];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int c = 0; c < Lay::CH; ++c) kraw[u][c] = knext[u][c], vraw[u][c] = vnext[u][c];
+    load_rows<T, DT, U>(p.k, k_at, j0 + kStride, j_end, p.E, lane, true, knext);
+    load_rows<T, DT, U>(p.v, v_at, j0 + kStride, j_end, p.Ev, lane, true, vnext);
+    consume(j0, kraw, vraw);
+  }
+  // The warp's key groups merged by shuffles, then each warp's result into shared memory.
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    if (r >= count) break;
+#pragma unroll
+    for (int o = 16; o >= Lay::LPK; o >>= 1) {
+      const float m2 = __shfl_xor_sync(0xffffffffu, m[r], o), l2 = __shfl_xor_sync(0xffffffffu, l[r], o);
+      const float mx = max_nan(m[r], m2), a = weight_to(m[r], mx), b = weight_to(m2, mx);
+      l[r] = l[r] * a + l2 * b;
+#pragma unroll
+      for (int c = 0; c < Lay::CH; ++c)
+#pragma unroll
+        for (int i = 0; i < Lay::EPL; ++i)
+          acc[r][c][i] = acc[r][c][i] * a + __shfl_xor_sync(0xffffffffu, acc[r][c][i], o) * b;
+      m[r] = mx;
+    }
+    if (kofs == 0) {
+#pragma unroll
+      for (int c = 0; c < Lay::CH; ++c)
+#pragma unroll
+        for (int i = 0; i < Lay::EPL; ++i) wacc[(warp * R + r) * DT + (sub + c * Lay::LPK) * Lay::EPL + i] = acc[r][c][i];
+    }
+    if (lane == 0) {
+      wstat[(warp * R + r) * 2] = m[r];
+      wstat[(warp * R + r) * 2 + 1] = l[r];
+    }
+  }
+  __syncthreads();
+  // The block's (m_b, l_b) and share of O over the warps, and its logits, to the workspace.
+  for (int r = 0; r < count; ++r) {
+    float mb = neg_inf<float>();
+    for (int x = 0; x < kWarps; ++x) mb = max_nan(mb, wstat[(x * R + r) * 2]);
+    const int64_t at = (row0 + r) * w.blocks + blk;
+    for (int64_t e = threadIdx.x; e < p.Ev; e += kThreads) {
+      float o = 0.0f;
+      for (int x = 0; x < kWarps; ++x) o += weight_to(wstat[(x * R + r) * 2], mb) * wacc[(x * R + r) * DT + e];
+      w.partial[at * p.Ev + e] = o;
+    }
+    if (threadIdx.x == 0) {
+      float lb = 0.0f;
+      for (int x = 0; x < kWarps; ++x) lb += weight_to(wstat[(x * R + r) * 2], mb) * wstat[(x * R + r) * 2 + 1];
+      w.stats[at * 2] = mb;
+      w.stats[at * 2 + 1] = lb;
+    }
+    float* dst = w.scores + (row0 + r) * p.S + first;
+    for (int64_t jj = threadIdx.x; jj < n; jj += kThreads) dst[jj] = sc[r * kSplitKeys + jj];
   }
 }
 
-__global__ void decode_output(DevProblem p, const float* out) {
-  const int64_t total = p.num_lead * p.L * p.Ev;
+// Per row (and chunk of kFinalizeKeys keys): the row's max and sum over its blocks; P of the
+// chunk's keys from the kept logits; on the first chunk also the log-sum-exp and O.
+__global__ void __launch_bounds__(kFinalizeThreads) decode_finalize(DevProblem p, DecodeWorkspace w) {
+  __shared__ float red[kFinalizeThreads / 32][2];
+  const int64_t row = blockIdx.x, local = row / p.L, lead = w.lead0 + local;
+  const int r = static_cast<int>(row % p.L);
+  const float* st = w.stats + row * w.blocks * 2;
+  float m = neg_inf<float>(), l = 0.0f;
+  for (int64_t b = threadIdx.x; b < w.blocks; b += kFinalizeThreads) lse_combine<float>(m, l, st[2 * b], st[2 * b + 1]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1)
+    lse_combine<float>(m, l, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, l, o));
+  if (threadIdx.x % 32 == 0) {
+    red[threadIdx.x / 32][0] = m;
+    red[threadIdx.x / 32][1] = l;
+  }
+  __syncthreads();
+  m = neg_inf<float>(), l = 0.0f;
+  for (int x = 0; x < kFinalizeThreads / 32; ++x) lse_combine<float>(m, l, red[x][0], red[x][1]);
+
+  const int64_t d_at = p.dmask.data ? lead_off(p, p.dmask, lead) : 0;
+  const int64_t p_at = lead_off(p, p.probs, lead) + r * p.probs.row;
+  const float* s = w.scores + row * p.S;
+  const int64_t j_end = min(p.S, (blockIdx.y + 1) * kFinalizeKeys);
+  for (int64_t j = blockIdx.y * kFinalizeKeys + threadIdx.x; j < j_end; j += kFinalizeThreads) {
+    const float pr = returned_prob<float>(p, prob_from_max_sum<float>(s[j], m, l), keep_of<float>(p, d_at, lead, r, j));
+    store_elem<float>(p.probs.dtype, p.probs.data, p_at + j * p.probs.col, pr);
+  }
+  if (blockIdx.y != 0) return;
+  // Contract §6: lse -inf for a fully masked row, NaN for a NaN one; O zero, resp. NaN.
+  if (threadIdx.x == 0)
+    store_elem<float>(p.lse.dtype, p.lse.data, lead_off(p, p.lse, lead) + r * p.lse.row, lse_from_max_sum<float>(m, l));
   const float f = output_factor<float>(p);
-  for (int64_t n = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; n < total;
-       n += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t e = n % p.Ev, r = (n / p.Ev) % p.L, lead = n / (p.Ev * p.L);
-    store_elem<float>(p.out.dtype, p.out.data, lead_off(p, p.out, lead) + r * p.out.row + e * p.out.col, out[n] * f);
+  const int64_t o_at = lead_off(p, p.out, lead) + r * p.out.row;
+  for (int64_t e = threadIdx.x; e < p.Ev; e += kFinalizeThreads) {
+    float o = 0.0f;
+    for (int64_t b = 0; b < w.blocks; ++b) o += weight_to(st[2 * b], m) * w.partial[(row * w.blocks + b) * p.Ev + e];
+    store_elem<float>(p.out.dtype, p.out.data, o_at + e * p.out.col, l == 0.0f ? 0.0f : o / l * f);
   }
 }
 
 // The backward for a few query rows (fp16/bf16, after delta = rowsum(A . dA) is known): per
 // (head, block of keys) CTA, every key row j of K and V is read once and
 //   g_r = dO_r . V_j, A_rj (the saved P without dropout, else exp(s - lse)), dA, dS, W by the
-//   contract's rules; dV_j = sum_r W_rj dO_r and dK_j = scale sum_r dS_rj q_r, stored (or added
-//   to the fp32 accumulators when heads share key rows); dQ_r += scale dS_rj K_j summed over the
-//   CTA's keys, then added to the fp32 dQ.
-// A tile backward would sweep a 64-row query tile per key block for one row. Three CTAs per SM:
-// the per-row dQ sums need more than 128 registers without spilling.
-template <typename T, int DT>
-__global__ void __launch_bounds__(kThreads, kMinBlocksPerSM - 1) decode_backward(DevProblem p, BackwardBuffers<float> gb,
-                                                                                int64_t blocks) {
+//   contract's rules; dV_j = sum_r W_rj dO_r and dK_j = scale sum_r dS_rj q_r, stored (16 bytes
+//   a lane where the gradient is dense and aligned, else per element, or added to the fp32
+//   accumulators when heads share key rows); dQ_r += scale dS_rj K_j summed over the CTA's
+//   keys, then added to the fp32 dQ.
+// The step's P and dP elements are loaded beside its K and V rows, so one memory latency is
+// paid per step, not two. A tile backward would sweep a 64-row query tile per key block for one
+// row. Three CTAs per SM: the per-row dQ sums need more than 128 registers without spilling.
+template <typename T, int DT, int R, bool PLAIN>
+__global__ void __launch_bounds__(kThreads, R == 1 ? 5 : 3) decode_backward(DevProblem p, BackwardBuffers<float> gb, int64_t blocks, int64_t heads) {
   using Lay = Layout<T, DT>;
-  constexpr int U = 2;  // warp steps whose loads are issued together
+  constexpr int U = R == 1 ? kUnroll / 2 : kUnroll / 4;  // warp steps per buffer
   extern __shared__ float smem[];
-  float* q = smem;                 // L x DT
-  float* dout = q + p.L * DT;      // L x DT (zero without dO)
-  float* part = dout + p.L * DT;   // warps x DT (one row of dQ at a time)
-  const int64_t lead = blockIdx.x / blocks, blk = blockIdx.x % blocks;
+  __shared__ RowInfo rows[R];
+  const int count = static_cast<int>(heads * p.L);  // rows of this CTA, <= R
+  float* q = smem;                   // count x DT
+  float* dout = q + count * DT;      // count x DT (zero without dO)
+  float* part = dout + count * DT;   // warps x DT (one row of dQ at a time)
+  const int64_t first_lead = blockIdx.x / blocks * heads, blk = blockIdx.x % blocks;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int sub = lane % Lay::LPK, kofs = lane / Lay::LPK;
   const bool has_go = p.grad_out.data != nullptr, has_gp = p.grad_probs.data != nullptr;
   const bool a_from_probs = p.probs.data != nullptr && p.dropout == Dropout::None;
-  load_queries<DT>(p, lead, q);
-  {
-    const int64_t go_at = has_go ? lead_off(p, p.grad_out, lead) : 0;
-    for (int64_t n = threadIdx.x; n < p.L * DT; n += kThreads) {
-      const int64_t r = n / DT, e = n % DT;
-      dout[n] = has_go && e < p.Ev ? load_elem<float>(p.grad_out.dtype, p.grad_out.data, go_at + r * p.grad_out.row + e * p.grad_out.col)
-                                   : 0.0f;
-    }
-  }
+  describe_rows<R>(p, first_lead, count, rows);
+  load_query_rows<DT>(p, p.q, p.E, first_lead, count, q);
+  load_query_rows<DT>(p, p.grad_out, p.Ev, first_lead, count, dout);
   __syncthreads();
   const float scale = static_cast<float>(p.scale);
-  const int64_t k_at = lead_off(p, p.k, lead), v_at = lead_off(p, p.v, lead);
-  const int64_t m_at = p.mask.data ? lead_off(p, p.mask, lead) : 0;
-  const int64_t d_at = p.dmask.data ? lead_off(p, p.dmask, lead) : 0;
-  const int64_t pr_at = p.probs.data ? lead_off(p, p.probs, lead) : 0;
-  const int64_t gp_at = has_gp ? lead_off(p, p.grad_probs, lead) : 0;
-  const int64_t lse_at = lead_off(p, p.lse, lead);
+  const int64_t k_at = lead_off(p, p.k, first_lead), v_at = lead_off(p, p.v, first_lead);
   const bool want_dk = gb.dk || gb.dk_out, want_dv = gb.dv || gb.dv_out;
-  const int64_t dk_lead = want_dk ? dense_lead_off(p, p.k, lead) : 0;
-  const int64_t dv_lead = want_dv ? dense_lead_off(p, p.v, lead) : 0;
+  const int64_t dk_lead = want_dk ? dense_lead_off(p, p.k, first_lead) : 0;
+  const int64_t dv_lead = want_dv ? dense_lead_off(p, p.v, first_lead) : 0;
+  // Whole 16-byte chunks of a stored gradient row go out as one store where they are aligned.
+  auto chunk_stores = [](const void* base, int64_t at, int64_t row, int64_t col, int64_t width) {
+    return base != nullptr && col == 1 && width % Lay::EPL == 0 && row % Lay::EPL == 0 && at % Lay::EPL == 0 &&
+           reinterpret_cast<uintptr_t>(base) % 16 == 0;
+  };
+  const bool vec_dk = chunk_stores(gb.dk_out, dk_lead, p.k.dense_row, p.k.dense_col, p.E);
+  const bool vec_dv = chunk_stores(gb.dv_out, dv_lead, p.v.dense_row, p.v.dense_col, p.Ev);
+  float delta[R], lse[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    delta[r] = r < count ? gb.delta[first_lead * p.L + r] : 0.0f;
+    lse[r] = r < count && !a_from_probs
+                 ? load_elem<float>(p.lse.dtype, p.lse.data, lead_off(p, p.lse, rows[r].lead) + rows[r].r * p.lse.row)
+                 : 0.0f;
+  }
   const int64_t first = blk * kSplitKeys, j_end = min(p.S, first + kSplitKeys);
   constexpr int kStep = U * Lay::KPW;
-  float dq[kDecodeMaxRows][Lay::CH][Lay::EPL] = {};
+  float dq[R][Lay::CH][Lay::EPL] = {};
 
-  for (int64_t j0 = first + warp * kStep; j0 < j_end; j0 += kWarps * kStep) {
-    uint4 kraw[U][Lay::CH], vraw[U][Lay::CH];
-    load_rows<T, DT, U>(p.k, k_at, j0, j_end, p.E, lane, true, kraw);
-    load_rows<T, DT, U>(p.v, v_at, j0, j_end, p.Ev, lane, has_go, vraw);  // V only feeds dO . V
+  // A step's K and V rows and its P and dP elements, loaded together.
+  struct Step {
+    uint4 k[U][Lay::CH], v[U][Lay::CH];
+    float a[U][R], dp[U][R];
+  };
+  auto fetch = [&](int64_t j0, Step& st) {
+    load_rows<T, DT, U>(p.k, k_at, j0, j_end, p.E, lane, true, st.k);
+    load_rows<T, DT, U>(p.v, v_at, j0, j_end, p.Ev, lane, has_go, st.v);  // V only feeds dO . V
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t j = j0 + u * Lay::KPW + kofs;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const bool here = r < count && j < j_end;
+        // P and dP have the inputs' dtype here (tensor_core_backward_applies).
+        st.a[u][r] = here && a_from_probs ? to_float<T>(reinterpret_cast<const T*>(p.probs.data)[rows[r].probs_at + j * p.probs.col]) : 0.0f;
+        st.dp[u][r] = here && has_gp ? to_float<T>(reinterpret_cast<const T*>(p.grad_probs.data)[rows[r].grad_probs_at + j * p.grad_probs.col])
+                                     : 0.0f;
+      }
+    }
+  };
+  // One warp step: dS and the weights of its keys, their dK and dV rows, and the dQ sums.
+  auto consume = [&](int64_t j0, const Step& cur) {
+    const auto& kraw = cur.k;
+    const auto& vraw = cur.v;
+    const auto& a_in = cur.a;
+    const auto& dp_in = cur.dp;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int64_t j = j0 + u * Lay::KPW + kofs;
@@ -348,8 +478,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM - 1) decode_backward
       }
       float dk_acc[Lay::CH][Lay::EPL] = {}, dv_acc[Lay::CH][Lay::EPL] = {};
 #pragma unroll
-      for (int r = 0; r < kDecodeMaxRows; ++r) {
-        if (r >= p.L) break;
+      for (int r = 0; r < R; ++r) {
+        if (r >= count) break;
         // g = dO_r . V_j and (to recompute A) s = q_r . K_j, over the group's lanes.
         float g = 0.0f, qk = 0.0f;
 #pragma unroll
@@ -358,27 +488,23 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM - 1) decode_backward
           for (int i = 0; i < Lay::EPL; ++i) {
             const int e = (sub + c * Lay::LPK) * Lay::EPL + i;
             g += dout[r * DT + e] * vx[c][i];
-            qk += q[r * DT + e] * kx[c][i];
+            if (!a_from_probs) qk += q[r * DT + e] * kx[c][i];
           }
 #pragma unroll
         for (int o = Lay::LPK / 2; o > 0; o >>= 1) {
           g += __shfl_xor_sync(0xffffffffu, g, o);
-          qk += __shfl_xor_sync(0xffffffffu, qk, o);
+          if (!a_from_probs) qk += __shfl_xor_sync(0xffffffffu, qk, o);
         }
         float ds = 0.0f, w = 0.0f;
         if (j < j_end) {
-          const float a = a_from_probs
-                              ? load_elem<float>(p.probs.dtype, p.probs.data, pr_at + r * p.probs.row + j * p.probs.col)
-                              : prob_from_lse<float>(masked_logit<float>(p, qk, m_at, r, j),
-                                                     load_elem<float>(p.lse.dtype, p.lse.data, lse_at + r * p.lse.row));
-          const float keep = keep_of<float>(p, d_at, lead, r, j);
-          const float dp = has_gp ? load_elem<float>(p.grad_probs.dtype, p.grad_probs.data, gp_at + r * p.grad_probs.row + j * p.grad_probs.col)
-                                  : 0.0f;
-          const float da = grad_softmax<float>(p, has_go ? g : 0.0f, dp, keep);
-          ds = a * (da - gb.delta[lead * p.L + r]);
-          w = value_weight<float>(p, a, keep);
-          if (gb.dmask && ds != 0.0f && sub == 0)
-            atomicAdd(gb.dmask + dense_lead_off(p, p.mask, lead) + r * p.mask.dense_row + j * p.mask.dense_col, ds);
+          const float a = a_from_probs ? a_in[u][r] : prob_from_lse<float>(logit_at<PLAIN>(p, qk, rows[r], j), lse[r]);
+          const float keep = keep_at<PLAIN>(p, rows[r], j);
+          const float g_used = has_go ? g : 0.0f;
+          const float da = PLAIN ? g_used + dp_in[u][r] : grad_softmax<float>(p, g_used, dp_in[u][r], keep);
+          ds = a * (da - delta[r]);
+          w = PLAIN ? a : value_weight<float>(p, a, keep);
+          if (!PLAIN && gb.dmask && ds != 0.0f && sub == 0)
+            atomicAdd(gb.dmask + dense_lead_off(p, p.mask, rows[r].lead) + rows[r].r * p.mask.dense_row + j * p.mask.dense_col, ds);
         }
 #pragma unroll
         for (int c = 0; c < Lay::CH; ++c)
@@ -395,35 +521,52 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM - 1) decode_backward
 #pragma unroll
       for (int c = 0; c < Lay::CH; ++c) {
         const int64_t e0 = static_cast<int64_t>(sub + c * Lay::LPK) * Lay::EPL;
+        if (vec_dk && e0 < p.E) {
+          *reinterpret_cast<uint4*>(static_cast<T*>(gb.dk_out) + dk_lead + j * p.k.dense_row + e0) = pack16<T>(dk_acc[c]);
+        } else if (want_dk) {
 #pragma unroll
-        for (int i = 0; i < Lay::EPL; ++i) {
-          const int64_t e = e0 + i;
-          if (want_dk && e < p.E) {
-            const int64_t off = dk_lead + j * p.k.dense_row + e * p.k.dense_col;
+          for (int i = 0; i < Lay::EPL; ++i) {
+            const int64_t off = dk_lead + j * p.k.dense_row + (e0 + i) * p.k.dense_col;
+            if (e0 + i >= p.E) break;
             if (gb.dk_out) static_cast<T*>(gb.dk_out)[off] = from_float<T>(dk_acc[c][i]);
             else if (dk_acc[c][i] != 0.0f) atomicAdd(gb.dk + off, dk_acc[c][i]);
           }
-          if (want_dv && e < p.Ev) {
-            const int64_t off = dv_lead + j * p.v.dense_row + e * p.v.dense_col;
+        }
+        if (vec_dv && e0 < p.Ev) {
+          *reinterpret_cast<uint4*>(static_cast<T*>(gb.dv_out) + dv_lead + j * p.v.dense_row + e0) = pack16<T>(dv_acc[c]);
+        } else if (want_dv) {
+#pragma unroll
+          for (int i = 0; i < Lay::EPL; ++i) {
+            const int64_t off = dv_lead + j * p.v.dense_row + (e0 + i) * p.v.dense_col;
+            if (e0 + i >= p.Ev) break;
             if (gb.dv_out) static_cast<T*>(gb.dv_out)[off] = from_float<T>(dv_acc[c][i]);
             else if (dv_acc[c][i] != 0.0f) atomicAdd(gb.dv + off, dv_acc[c][i]);
           }
         }
       }
     }
+  };
+  // Two buffers: the next step's loads are in flight while this step's values are used.
+  constexpr int64_t kStride = kWarps * kStep;
+  Step next;
+  fetch(first + warp * kStep, next);
+  for (int64_t j0 = first + warp * kStep; j0 < j_end; j0 += kStride) {
+    const Step cur = next;
+    fetch(j0 + kStride, next);
+    consume(j0, cur);
   }
 
   // dQ of each row: over the warp's key groups (shuffles), its warps (shared memory), then added.
   if (!gb.dq) return;
-  const int64_t dq_lead = dense_lead_off(p, p.q, lead);
-  for (int r = 0; r < p.L; ++r) {
+  for (int r = 0; r < count; ++r) {
+    const int64_t dq_at = dense_lead_off(p, p.q, rows[r].lead) + rows[r].r * p.q.dense_row;
 #pragma unroll
     for (int c = 0; c < Lay::CH; ++c)
 #pragma unroll
       for (int i = 0; i < Lay::EPL; ++i) {
         float v = 0.0f;
 #pragma unroll
-        for (int x = 0; x < kDecodeMaxRows; ++x)
+        for (int x = 0; x < R; ++x)
           if (x == r) v = dq[x][c][i];
 #pragma unroll
         for (int o = 16; o >= Lay::LPK; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -433,31 +576,46 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM - 1) decode_backward
     for (int64_t e = threadIdx.x; e < p.E; e += kThreads) {
       float total = 0.0f;
       for (int x = 0; x < kWarps; ++x) total += part[x * DT + e];
-      if (total != 0.0f) atomicAdd(gb.dq + dq_lead + r * p.q.dense_row + e * p.q.dense_col, total);
+      if (total != 0.0f) atomicAdd(gb.dq + dq_at + e * p.q.dense_col, total);
     }
     __syncthreads();
   }
 }
 
 template <typename T, int DT>
-void launch_decode(const DevProblem& p, const DecodeBuffers& b, cudaStream_t stream) {
-  const int64_t ctas = p.num_lead * b.blocks;
-  if (ctas > 2147483647LL) throw Error(ErrorCode::CudaFailure, "too many key blocks for one CUDA launch");
-  const size_t q_bytes = sizeof(float) * p.L * DT;
-  const size_t stats_smem = q_bytes + sizeof(float) * kWarps * kDecodeMaxRows * 2;
-  decode_stats<T, DT><<<static_cast<unsigned>(ctas), kThreads, stats_smem, stream>>>(p, b);
-  check_launch("decode statistics");
-  const size_t probs_smem = q_bytes + sizeof(float) * (p.L * kSplitKeys + 2 * kDecodeMaxRows + kWarps * DT);
-  decode_probs<T, DT><<<static_cast<unsigned>(ctas), kThreads, probs_smem, stream>>>(p, b);
-  check_launch("decode probabilities");
+void launch_decode(const DevProblem& p, const DecodeWorkspace& w, int64_t chunk, cudaStream_t stream) {
+  const int64_t ctas = chunk / w.heads * w.blocks, count = w.heads * p.L;
+  if (ctas > 2147483647LL || chunk * p.L > 2147483647LL) throw Error(ErrorCode::CudaFailure, "too many key blocks for one CUDA launch");
+  // One row per CTA (MHA decode proper) has kernels of its own: a quarter of the registers.
+  auto go = [&](auto kernel, int rows) {
+    const size_t smem = sizeof(float) * (count * DT + count * kSplitKeys + kWarps * rows * (2 + DT));
+    kernel<<<static_cast<unsigned>(ctas), kThreads, smem, stream>>>(p, w);
+  };
+  if (count == 1) plain(p) ? go(decode_partial<T, DT, 1, true>, 1) : go(decode_partial<T, DT, 1, false>, 1);
+  else if (plain(p)) go(decode_partial<T, DT, kDecodeMaxRows, true>, kDecodeMaxRows);
+  else go(decode_partial<T, DT, kDecodeMaxRows, false>, kDecodeMaxRows);
+  check_launch("decode blocks");
+  const dim3 grid(static_cast<unsigned>(chunk * p.L), static_cast<unsigned>((p.S + kFinalizeKeys - 1) / kFinalizeKeys));
+  decode_finalize<<<grid, kFinalizeThreads, 0, stream>>>(p, w);
+  check_launch("decode rows");
 }
 
 template <typename T>
-void launch_for_head(const DevProblem& p, const DecodeBuffers& b, cudaStream_t stream) {
+void launch_for_head(const DevProblem& p, const DecodeWorkspace& w, int64_t chunk, cudaStream_t stream) {
   const int64_t head = p.E > p.Ev ? p.E : p.Ev;
-  if (head <= 64) launch_decode<T, 64>(p, b, stream);
-  else if (head <= 128) launch_decode<T, 128>(p, b, stream);
-  else launch_decode<T, 256>(p, b, stream);
+  if (head <= 64) launch_decode<T, 64>(p, w, chunk, stream);
+  else if (head <= 128) launch_decode<T, 128>(p, w, chunk, stream);
+  else launch_decode<T, 256>(p, w, chunk, stream);
+}
+
+// Workspace floats of one head, and how many heads one pass takes.
+int64_t workspace_per_lead(const DevProblem& p) {
+  const int64_t blocks = (p.S + kSplitKeys - 1) / kSplitKeys;
+  return p.L * p.S + p.L * blocks * (p.Ev + 2);
+}
+int64_t leads_per_pass(const DevProblem& p) {
+  const int64_t heads = heads_per_cta(p);  // whole groups: num_lead is a multiple of it
+  return std::max<int64_t>(1, std::min<int64_t>(p.num_lead, kWorkspaceFloats / workspace_per_lead(p)) / heads) * heads;
 }
 
 }  // namespace
@@ -480,18 +638,34 @@ bool decode_backward_applies(const DevProblem& p) {
   return decode_applies(p) && (p.q.dtype == DType::Float16 || p.q.dtype == DType::BFloat16);
 }
 
+int64_t decode_heads_per_cta(const DevProblem& p) { return heads_per_cta(p); }
+
 template <typename T>
 void launch_backward_for_head(const DevProblem& p, const BackwardBuffers<float>& g, cudaStream_t stream) {
   const int64_t head = p.E > p.Ev ? p.E : p.Ev;
-  const int64_t blocks = (p.S + kSplitKeys - 1) / kSplitKeys, ctas = p.num_lead * blocks;
+  const int64_t heads = heads_per_cta(p), count = heads * p.L;
+  const int64_t blocks = (p.S + kSplitKeys - 1) / kSplitKeys, ctas = p.num_lead / heads * blocks;
   if (ctas > 2147483647LL) throw Error(ErrorCode::CudaFailure, "too many key blocks for one CUDA launch");
   auto go = [&](auto kernel, int dt) {
-    const size_t smem = sizeof(float) * (2 * p.L * dt + kWarps * dt);
-    kernel<<<static_cast<unsigned>(ctas), kThreads, smem, stream>>>(p, g, blocks);
+    const size_t smem = sizeof(float) * (2 * count * dt + kWarps * dt);
+    kernel<<<static_cast<unsigned>(ctas), kThreads, smem, stream>>>(p, g, blocks, heads);
   };
-  if (head <= 64) go(decode_backward<T, 64>, 64);
-  else if (head <= 128) go(decode_backward<T, 128>, 128);
-  else go(decode_backward<T, 256>, 256);
+  // One row per CTA: kernels with a quarter of the registers; without mask, causal or dropout:
+  // kernels without their branches.
+  auto by_rule = [&](auto one_plain, auto one_full, auto rows_plain, auto rows_full, int dt) {
+    if (count == 1) plain(p) ? go(one_plain, dt) : go(one_full, dt);
+    else plain(p) ? go(rows_plain, dt) : go(rows_full, dt);
+  };
+  constexpr int RM = kDecodeMaxRows;
+  if (head <= 64)
+    by_rule(decode_backward<T, 64, 1, true>, decode_backward<T, 64, 1, false>, decode_backward<T, 64, RM, true>,
+            decode_backward<T, 64, RM, false>, 64);
+  else if (head <= 128)
+    by_rule(decode_backward<T, 128, 1, true>, decode_backward<T, 128, 1, false>, decode_backward<T, 128, RM, true>,
+            decode_backward<T, 128, RM, false>, 128);
+  else
+    by_rule(decode_backward<T, 256, 1, true>, decode_backward<T, 256, 1, false>, decode_backward<T, 256, RM, true>,
+            decode_backward<T, 256, RM, false>, 256);
   check_launch("decode backward");
 }
 
@@ -500,22 +674,24 @@ void decode_backward_run(const DevProblem& p, const BackwardBuffers<float>& g, c
   else launch_backward_for_head<__nv_bfloat16>(p, g, stream);
 }
 
-int64_t decode_stats_floats(const DevProblem& p) {
-  return p.num_lead * p.L * ((p.S + kSplitKeys - 1) / kSplitKeys) * 2;
-}
+int64_t decode_workspace_floats(const DevProblem& p) { return leads_per_pass(p) * workspace_per_lead(p); }
 
-void decode_forward(const DevProblem& p, float* stats, float* out_acc, cudaStream_t stream) {
-  const DecodeBuffers b{stats, out_acc, (p.S + kSplitKeys - 1) / kSplitKeys};
-  switch (p.q.dtype) {
-    case DType::Float16: launch_for_head<__half>(p, b, stream); break;
-    case DType::BFloat16: launch_for_head<__nv_bfloat16>(p, b, stream); break;
-    default: launch_for_head<float>(p, b, stream); break;
-  }
-  const int64_t total = p.num_lead * p.L * p.Ev;
-  const int64_t grid = std::min<int64_t>((total + 255) / 256, 65535);
-  if (grid > 0) {
-    decode_output<<<static_cast<unsigned>(grid), 256, 0, stream>>>(p, out_acc);
-    check_launch("decode output");
+void decode_forward(const DevProblem& p, float* workspace, cudaStream_t stream) {
+  const int64_t chunk_max = leads_per_pass(p), blocks = (p.S + kSplitKeys - 1) / kSplitKeys;
+  for (int64_t lead0 = 0; lead0 < p.num_lead; lead0 += chunk_max) {
+    const int64_t chunk = std::min(chunk_max, p.num_lead - lead0);
+    DecodeWorkspace w;
+    w.scores = workspace;
+    w.stats = w.scores + chunk * p.L * p.S;
+    w.partial = w.stats + chunk * p.L * blocks * 2;
+    w.blocks = blocks;
+    w.lead0 = lead0;
+    w.heads = heads_per_cta(p);
+    switch (p.q.dtype) {
+      case DType::Float16: launch_for_head<__half>(p, w, chunk, stream); break;
+      case DType::BFloat16: launch_for_head<__nv_bfloat16>(p, w, chunk, stream); break;
+      default: launch_for_head<float>(p, w, chunk, stream); break;
+    }
   }
 }
 

@@ -130,6 +130,14 @@ def cases():
     out.append(Case(L=3, S=290, causal=True, E=16, Ev=16))
     out.append(Case(L=2, S=21, dropout="explicit_float", mask="bool_rows"))
     out.append(Case(hq=8, hkv=2, gqa=True, L=1, S=513, E=64, Ev=64))
+    # GQA decode: a CTA takes several heads of a group (as many as divide it with heads x rows
+    # <= 4): the whole group (above), half of it (8 heads a key head, a float mask per head),
+    # three heads, two heads of two rows with a mask and explicit dropout, and one head of three
+    # causal rows.
+    out.append(Case(hq=8, hkv=1, gqa=True, L=1, S=300, E=64, Ev=64, mask="float"))
+    out.append(Case(hq=6, hkv=2, gqa=True, L=1, S=290, E=32, Ev=32))
+    out.append(Case(hq=4, hkv=2, gqa=True, L=2, S=270, E=16, Ev=16, mask="bool_rows", dropout="explicit_float"))
+    out.append(Case(hq=4, hkv=1, gqa=True, L=3, S=40, E=16, Ev=16, causal=True))
     out.append(Case(L=4, S=66, E=256, Ev=200))
     out.append(Case(hq=3, hkv=3, L=2, S=29, E=24, Ev=24, layout="transposed", mask="float"))
     return out

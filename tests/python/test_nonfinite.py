@@ -180,8 +180,8 @@ CUDA_PATHS = {
     "generic_fp32_transposed": (torch.float32, 6, 72, 64, "transposed", "forward_rows"),
     "generic_fp64": (torch.float64, 6, 72, 64, "contig", "forward_rows"),
     # S = 300: two key blocks of 256, combined per row.
-    "decode_fp16": (torch.float16, 4, 300, 64, "contig", "decode_probs"),
-    "decode_fp32": (torch.float32, 4, 300, 64, "contig", "decode_probs"),
+    "decode_fp16": (torch.float16, 4, 300, 64, "contig", "decode_finalize"),
+    "decode_fp32": (torch.float32, 4, 300, 64, "contig", "decode_finalize"),
 }
 CUDA_NAN_CASES = ["query_element", "key_element", "float_mask_element", "causal_query_row", "beside_masked_rows"]
 
