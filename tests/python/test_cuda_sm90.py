@@ -10,13 +10,13 @@ import pytest
 import torch
 
 import sdpa_math
+from cuda_helpers import HALF_DTYPES, cuda_kernels, dtype_id, make, make_mask, sm90_only
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                                reason="needs an sm_90 (Hopper) GPU")
+pytestmark = sm90_only
 
 aten_math = torch.ops.aten._scaled_dot_product_attention_math
-DTYPES = [torch.float16, torch.bfloat16]
-ids = lambda d: str(d).split(".")[-1]  # noqa: E731
+DTYPES = HALF_DTYPES
+ids = dtype_id
 # P is rounded once from fp32 (u/2 of the dtype); O from weights rounded to the dtype.
 TOL = {torch.float16: (2e-3, 2e-4), torch.bfloat16: (1.6e-2, 2e-3)}
 
@@ -24,47 +24,6 @@ TOL = {torch.float16: (2e-3, 2e-4), torch.bfloat16: (1.6e-2, 2e-3)}
 @pytest.fixture(autouse=True)
 def _poison_outputs(monkeypatch):
     monkeypatch.setenv("SDPA_MATH_POISON_OUTPUTS", "1")
-
-
-def cuda_kernels(fn):
-    """Runs fn under the profiler; returns (its result, the names of the CUDA kernels it launched)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        result = fn()
-        torch.cuda.synchronize()
-    return result, [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-
-
-def make(shape, dtype, layout, gen):
-    """(B, H, N, E) values; 'blhe' makes them as a (B, N, H, E) tensor viewed as (B, H, N, E)."""
-    if layout == "blhe":
-        b, h, n, e = shape
-        return torch.randn(b, n, h, e, generator=gen, device="cuda").to(dtype).transpose(1, 2)
-    return torch.randn(*shape, generator=gen, device="cuda").to(dtype)
-
-
-def make_mask(kind, B, H, L, S, dtype, gen):
-    if kind == "none":
-        return None
-    if kind == "float_b1ls":  # Hugging Face's padding mask: 0 or the dtype's min, some rows all masked
-        keep = torch.rand(B, 1, L, S, generator=gen, device="cuda") < 0.8
-        keep[:, :, 3] = False
-        return torch.zeros(B, 1, L, S, device="cuda", dtype=dtype).masked_fill(~keep, torch.finfo(dtype).min)
-    if kind == "float_full":
-        return torch.randn(B, H, L, S, generator=gen, device="cuda").to(dtype)
-    if kind == "float32_b1ls":  # an fp32 mask on fp16/bf16 inputs
-        return torch.randn(B, 1, L, S, generator=gen, device="cuda")
-    if kind == "float_ls":
-        return torch.randn(L, S, generator=gen, device="cuda").to(dtype)
-    if kind == "bool_keypad":  # (B, 1, 1, S): the last keys of each batch padded
-        keep = torch.ones(B, 1, 1, S, dtype=torch.bool, device="cuda")
-        for b in range(B):
-            keep[b, ..., S - 7 * (b + 1):] = False
-        return keep
-    if kind == "bool_full":
-        keep = torch.rand(B, H, L, S, generator=gen, device="cuda") < 0.7
-        keep[:, :, 5] = False  # fully masked rows: P = O = 0, lse = -inf
-        return keep
-    raise ValueError(kind)
 
 
 def reference(q, k, v, mask, causal, scale, gqa):

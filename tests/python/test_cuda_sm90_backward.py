@@ -9,46 +9,13 @@ import pytest
 import torch
 
 import sdpa_math
+from cuda_helpers import HALF_DTYPES, cuda_kernels, dtype_id, make, make_mask, sm90_only
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                                reason="needs an sm_90 (Hopper) GPU")
+pytestmark = sm90_only
 
 aten_math = torch.ops.aten._scaled_dot_product_attention_math
-DTYPES = [torch.float16, torch.bfloat16]
-ids = lambda d: str(d).split(".")[-1]  # noqa: E731
-
-
-def cuda_kernels(fn):
-    """Runs fn under the profiler; returns the names of the CUDA kernels it launched."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-
-
-def make(shape, dtype, layout, gen):
-    """(B, H, N, E) leaf values; 'blhe' makes them as a (B, N, H, E) tensor viewed as (B, H, N, E)."""
-    if layout == "blhe":
-        b, h, n, e = shape
-        x = torch.randn(b, n, h, e, generator=gen, device="cuda").to(dtype).transpose(1, 2)
-    else:
-        x = torch.randn(*shape, generator=gen, device="cuda").to(dtype)
-    return x.detach().requires_grad_()
-
-
-def make_mask(kind, B, H, L, S, dtype, gen):
-    if kind == "none":
-        return None
-    if kind == "float_b1ls":  # Hugging Face's padding mask: 0 or the dtype's min, one row all masked
-        keep = torch.rand(B, 1, L, S, generator=gen, device="cuda") < 0.8
-        keep[:, :, 3] = False
-        return torch.zeros(B, 1, L, S, device="cuda", dtype=dtype).masked_fill(~keep, torch.finfo(dtype).min)
-    if kind == "bool_keypad":
-        keep = torch.ones(B, 1, 1, S, dtype=torch.bool, device="cuda")
-        for b in range(B):
-            keep[b, ..., S - 7 * (b + 1):] = False
-        return keep
-    raise ValueError(kind)
+DTYPES = HALF_DTYPES
+ids = dtype_id
 
 
 def loss_of(out, probs, g_out, g_probs, which):
@@ -83,8 +50,8 @@ SHAPES = [  # B, Hq, Hkv, L, S, E, Ev
 def run_case(dtype, shape, layout, causal, which, mask_kind="none", seed=0):
     B, Hq, Hkv, L, S, E, Ev = shape
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    q, k, v = make((B, Hq, L, E), dtype, layout, gen), make((B, Hkv, S, E), dtype, layout, gen), \
-        make((B, Hkv, S, Ev), dtype, layout, gen)
+    q, k, v = make((B, Hq, L, E), dtype, layout, gen, True), make((B, Hkv, S, E), dtype, layout, gen, True), \
+        make((B, Hkv, S, Ev), dtype, layout, gen, True)
     mask = make_mask(mask_kind, B, Hq, L, S, dtype, gen)
     gqa = Hq != Hkv
     g_out = torch.randn(B, Hq, L, Ev, generator=gen, device="cuda")
@@ -99,7 +66,7 @@ def run_case(dtype, shape, layout, causal, which, mask_kind="none", seed=0):
     math_fn = lambda q_, k_, v_: aten_math(q_, k_, v_, attn_mask=mask_native, is_causal=causal, enable_gqa=gqa)  # noqa: E731
     # The loss's cotangents in the inputs' dtype, as autograd hands them to each op.
     g_out, g_probs = g_out.to(dtype).float(), g_probs.to(dtype).float()
-    names = cuda_kernels(lambda: grads(ours_fn, (q, k, v), g_out, g_probs, which))
+    _, names = cuda_kernels(lambda: grads(ours_fn, (q, k, v), g_out, g_probs, which))
     assert any("backward_sm90" in n for n in names), names
     ours = grads(ours_fn, (q, k, v), g_out, g_probs, which)
     native = grads(math_fn, (q, k, v), g_out, g_probs, which)
@@ -140,11 +107,11 @@ def test_sm90_backward_masked(dtype, mask_kind):
 
 def test_mask_gradient_and_dropout_take_other_kernels():
     gen = torch.Generator(device="cuda").manual_seed(9)
-    q, k, v = (make((1, 2, 100, 64), torch.float16, "contig", gen) for _ in range(3))
+    q, k, v = (make((1, 2, 100, 64), torch.float16, "contig", gen, True) for _ in range(3))
     mask = torch.randn(1, 2, 100, 100, generator=gen, device="cuda").half().requires_grad_()
-    names = cuda_kernels(lambda: sdpa_math.attention(q, k, v, mask)[0].sum().backward())
+    _, names = cuda_kernels(lambda: sdpa_math.attention(q, k, v, mask)[0].sum().backward())
     assert not any("backward_sm90" in n for n in names) and mask.grad is not None
-    names = cuda_kernels(lambda: sdpa_math.attention(q, k, v, None, 0.1)[0].sum().backward())
+    _, names = cuda_kernels(lambda: sdpa_math.attention(q, k, v, None, 0.1)[0].sum().backward())
     assert not any("backward_sm90" in n for n in names)
 
 
@@ -157,7 +124,7 @@ def test_sm90_backward_errors_within_twice_the_math_ops(dtype):
     run_case_strict = dict(B=2, H=8, L=512, S=512, E=128)
     gen = torch.Generator(device="cuda").manual_seed(11)
     B, H, L, S, E = run_case_strict.values()
-    q, k, v = (make((B, H, n, E), dtype, "contig", gen) for n in (L, S, S))
+    q, k, v = (make((B, H, n, E), dtype, "contig", gen, True) for n in (L, S, S))
     g_out = torch.randn(B, H, L, E, generator=gen, device="cuda").to(dtype).float()
     g_probs = torch.randn(B, H, L, S, generator=gen, device="cuda").to(dtype).float()
     ours = grads(sdpa_math.attention, (q, k, v), g_out, g_probs, "both")

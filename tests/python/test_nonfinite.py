@@ -20,6 +20,7 @@ import torch
 
 import sdpa_math
 from cases import FORWARD_TOL, Case, build, native
+from cuda_helpers import cuda_kernels
 
 aten_math = torch.ops.aten._scaled_dot_product_attention_math
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
@@ -215,20 +216,13 @@ def _cuda_nan_case(name, dtype, L, S, E, layout):
     return q, k, v, mask, causal
 
 
-def _cuda_kernel_names(fn):
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        result = fn()
-        torch.cuda.synchronize()
-    return result, [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("path", list(CUDA_PATHS))
 @pytest.mark.parametrize("name", CUDA_NAN_CASES)
 def test_cuda_nan_score_gives_nan_row_like_the_math_op(name, path, poisoned_outputs):
     dtype, L, S, E, layout, kernel = CUDA_PATHS[path]
     q, k, v, mask, causal = _cuda_nan_case(name, dtype, L, S, E, layout)
-    (out, probs, lse), kernels = _cuda_kernel_names(lambda: sdpa_math.attention_with_lse(q, k, v, mask, is_causal=causal))
+    (out, probs, lse), kernels = cuda_kernels(lambda: sdpa_math.attention_with_lse(q, k, v, mask, is_causal=causal))
     assert any(kernel in n for n in kernels), f"{path} did not run {kernel}: {kernels}"
     ref_out, ref_probs = native((q, k, v, mask, 0.0, causal, None), {}, dtype)
     nan_rows = ref_probs.isnan().any(-1)

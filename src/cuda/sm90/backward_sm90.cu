@@ -222,12 +222,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     T* ds_buf = sDS + (use & 1) * 2 * kBM * 64;  // both warpgroups' blocks of this step
     T* ds_blk = ds_buf + cw * kBM * 64;
 
-    // This thread's pairs of P and dP_ext: (row rr, keys 8n + 2t..) is at 16-byte chunk
-    // n ^ (rr % 8) of row rr of the warpgroup's swizzled block, as TMA writes it.
-    auto swizzled = [&](int n, int r) {
-      const int rr = warp * 16 + g + 8 * r;
-      return rr * 64 + ((n ^ (rr & 7)) * 8) + 2 * t;
-    };
+    // This thread's pairs of P and dP_ext (rows warp * 16 + g + 8r, keys 8n + 2t..) in the
+    // warpgroup's swizzled block, as TMA writes it.
+    auto swizzled = [&](int n, int r) { return swizzled_pair(warp * 16 + g + 8 * r, n, t, kBM); };
     uint32_t p_raw[8][2], x_raw[8][2];
 
     // dP_w = dO V_wᵀ, then dV_w += P_wᵀ dO; dS needs only the first.

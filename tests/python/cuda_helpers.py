@@ -1,0 +1,57 @@
+"""What the CUDA test files share: the Hopper skip mark, the names of the kernels a call launches,
+and (B, H, N, E) inputs and masks in the layouts and forms models pass."""
+import pytest
+import torch
+
+sm90_only = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                               reason="needs an sm_90 (Hopper) GPU")
+HALF_DTYPES = [torch.float16, torch.bfloat16]
+
+
+def dtype_id(d):
+    return str(d).split(".")[-1]
+
+
+def cuda_kernels(fn):
+    """Runs fn under the profiler; returns (its result, the names of the CUDA kernels it launched)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        result = fn()
+        torch.cuda.synchronize()
+    return result, [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def make(shape, dtype, layout, gen, requires_grad=False):
+    """(B, H, N, E) values on the GPU; 'blhe' makes them as a (B, N, H, E) tensor viewed as
+    (B, H, N, E), as Hugging Face attention modules pass them. With requires_grad: leaves."""
+    if layout == "blhe":
+        b, h, n, e = shape
+        x = torch.randn(b, n, h, e, generator=gen, device="cuda").to(dtype).transpose(1, 2)
+    else:
+        x = torch.randn(*shape, generator=gen, device="cuda").to(dtype)
+    return x.detach().requires_grad_() if requires_grad else x
+
+
+def make_mask(kind, B, H, L, S, dtype, gen):
+    """A mask of the given kind for (B, H, L, S) scores, or None for 'none'."""
+    if kind == "none":
+        return None
+    if kind == "float_b1ls":  # Hugging Face's padding mask: 0 or the dtype's min, row 3 all masked
+        keep = torch.rand(B, 1, L, S, generator=gen, device="cuda") < 0.8
+        keep[:, :, 3] = False
+        return torch.zeros(B, 1, L, S, device="cuda", dtype=dtype).masked_fill(~keep, torch.finfo(dtype).min)
+    if kind == "float_full":
+        return torch.randn(B, H, L, S, generator=gen, device="cuda").to(dtype)
+    if kind == "float32_b1ls":  # an fp32 mask on fp16/bf16 inputs
+        return torch.randn(B, 1, L, S, generator=gen, device="cuda")
+    if kind == "float_ls":
+        return torch.randn(L, S, generator=gen, device="cuda").to(dtype)
+    if kind == "bool_keypad":  # (B, 1, 1, S): the last keys of each batch padded
+        keep = torch.ones(B, 1, 1, S, dtype=torch.bool, device="cuda")
+        for b in range(B):
+            keep[b, ..., S - 7 * (b + 1):] = False
+        return keep
+    if kind == "bool_full":
+        keep = torch.rand(B, H, L, S, generator=gen, device="cuda") < 0.7
+        keep[:, :, 5] = False  # fully masked rows: P = O = 0, lse = -inf
+        return keep
+    raise ValueError(kind)
