@@ -43,6 +43,13 @@ _interceptions = 0
 def _aten_kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, dropout_mask=None, *,
                  scale=None, enable_gqa=False):
     global _interceptions
+    if torch.are_deterministic_algorithms_enabled() and torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (query, key, value, attn_mask)):
+        # Our backward adds some gradients in a varying order (and refuses deterministic mode,
+        # see binding.cpp); the math op's own composition is deterministic, so code that ran
+        # under torch.use_deterministic_algorithms(True) keeps running. Not counted.
+        return torch.ops.aten._scaled_dot_product_attention_math.default.decompose(
+            query, key, value, attn_mask, dropout_p, is_causal, dropout_mask, scale=scale, enable_gqa=enable_gqa)
     with _count_lock:
         _interceptions += 1
     return attention(query, key, value, attn_mask, dropout_p, is_causal, dropout_mask, scale=scale,

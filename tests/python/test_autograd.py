@@ -155,3 +155,55 @@ def test_create_graph_without_second_derivative_through_attention():
     gq, gx = torch.autograd.grad(loss + (x ** 3).sum(), (q, x), create_graph=True)
     hx, = torch.autograd.grad(gx.sum(), (x,))
     torch.testing.assert_close(hx, 6 * x.detach())
+
+
+@pytest.fixture
+def deterministic():
+    """torch.use_deterministic_algorithms(True) for the test (warn_only through the returned setter)."""
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    threads = torch.get_num_threads()
+    torch.use_deterministic_algorithms(True)
+    yield lambda warn_only: torch.use_deterministic_algorithms(True, warn_only=warn_only)
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    torch.set_num_threads(threads)
+
+
+def _grads(device, hq, hkv, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, hq, 37, 16, generator=gen).to(device).requires_grad_()
+    k, v = (torch.randn(2, hkv, 53, 16, generator=gen).to(device).requires_grad_() for _ in range(2))
+    out, probs = sdpa_math.attention(q, k, v, None, 0.0, False, enable_gqa=hq != hkv)
+    g_out = torch.randn(out.shape, generator=gen).to(device)
+    g_probs = torch.randn(probs.shape, generator=gen).to(device)
+    return torch.autograd.grad((out, probs), (q, k, v), (g_out, g_probs))
+
+
+def test_deterministic_mode_cpu_backward_is_bitwise_reproducible(deterministic):
+    torch.set_num_threads(2)
+    first, second = _grads("cpu", 4, 4), _grads("cpu", 4, 4)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_deterministic_mode_refuses_cpu_gqa_sums_in_thread_order(deterministic):
+    # K and V rows shared by two query heads: their dK, dV are added by threads as they finish.
+    torch.set_num_threads(2)
+    with pytest.raises(RuntimeError, match="does not have a deterministic implementation"):
+        _grads("cpu", 4, 2)
+    deterministic(True)  # warn_only: PyTorch's warning, and the gradients
+    with pytest.warns(UserWarning, match="does not have a deterministic implementation"):
+        grads = _grads("cpu", 4, 2)
+    assert all(torch.isfinite(g).all() for g in grads)
+    torch.set_num_threads(1)  # one thread adds in a fixed order: allowed, and reproducible
+    deterministic(False)
+    first, second = _grads("cpu", 4, 2), _grads("cpu", 4, 2)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_deterministic_mode_refuses_cuda_backward(deterministic):
+    with pytest.raises(RuntimeError, match="sdpa_math::backward on CUDA does not have a deterministic"):
+        _grads("cuda", 4, 4)
+    deterministic(True)
+    with pytest.warns(UserWarning, match="does not have a deterministic implementation"):
+        _grads("cuda", 4, 4)

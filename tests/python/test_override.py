@@ -198,3 +198,28 @@ def test_enable_and_disable_inside_a_block():
         aten_math(q, k, v)
         assert sdpa_math.interceptions() == before + 1
     assert not sdpa_math.is_enabled()
+
+
+def test_deterministic_mode_with_grad_falls_back_to_the_math_ops_composition():
+    """Our backward refuses deterministic mode where it sums in a varying order; under the override
+    such calls go to the math op's own (deterministic) composition instead of raising."""
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 4, 9, 16, generator=gen, requires_grad=True)
+    k, v = (torch.randn(2, 2, 9, 16, generator=gen, requires_grad=True) for _ in range(2))
+    before_mode = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        with sdpa_math.override():
+            before = sdpa_math.interceptions()
+            out, probs = aten_math(q, k, v, enable_gqa=True)
+            assert sdpa_math.interceptions() == before  # not ours
+            grads = torch.autograd.grad(out.sum() + probs.square().sum(), (q, k, v))
+            with torch.no_grad():  # no gradient wanted: ours, deterministic
+                aten_math(q, k, v, enable_gqa=True)
+            assert sdpa_math.interceptions() == before + 1
+    finally:
+        torch.use_deterministic_algorithms(before_mode)
+    out_n, probs_n = aten_math(q, k, v, enable_gqa=True)
+    grads_n = torch.autograd.grad(out_n.sum() + probs_n.square().sum(), (q, k, v))
+    for a, b in zip(grads, grads_n):
+        assert torch.equal(a, b)

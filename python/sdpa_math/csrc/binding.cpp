@@ -147,6 +147,37 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_kernel(
   });
 }
 
+// torch.use_deterministic_algorithms(True): the CUDA kernels add dQ (and dK and dV where heads
+// share key rows) with float atomics whose order changes from run to run, and the CPU threads add
+// what several tasks share — dK and dV of K/V rows that GQA or broadcasting gives to several
+// heads, dQ of a broadcast Q, the gradient of a broadcast mask — in the order they finish (one
+// thread: in a fixed order). Those calls raise (or warn, under warn_only) as PyTorch's own
+// nondeterministic ops do; the rest of the CPU backward writes every element from one task and is
+// bitwise reproducible.
+void alert_if_nondeterministic(const sdpa_math::ForwardArgs& a, const std::optional<at::Tensor>& mask,
+                               const std::array<bool, 4>& output_mask) {
+  if (!at::globalContext().deterministicAlgorithms()) return;
+  const sdpa_math::ForwardShapes s = sdpa_math::forward_shapes(a);  // bad input gets its own error first
+  if (a.query.device.type == sdpa_math::DeviceType::CUDA) {
+    at::globalContext().alertNotDeterministic("sdpa_math::backward on CUDA");
+    return;
+  }
+  const int64_t rows = s.logsumexp.numel(), cells = s.attn_probs.numel();
+  if (rows == 0 || cells == 0) return;
+  const int64_t S = cells / rows;
+  auto fewer_rows = [&](const sdpa_math::TensorView& t, int64_t per_row, bool wanted, int64_t row_len) {
+    return wanted && per_row > 0 && t.numel() / per_row < row_len;
+  };
+  const int64_t L = s.logsumexp.dims[s.logsumexp.ndim - 1];
+  const int64_t heads_rows = rows / std::max<int64_t>(L, 1) * S;  // key rows if no head shared them
+  const bool shared = fewer_rows(a.query, a.query.shape.dims[a.query.ndim() - 1], output_mask[0], rows) ||
+                      fewer_rows(a.key, a.key.shape.dims[a.key.ndim() - 1], output_mask[1], heads_rows) ||
+                      fewer_rows(a.value, a.value.shape.dims[a.value.ndim() - 1], output_mask[2], heads_rows) ||
+                      (output_mask[3] && mask && mask->numel() < cells);
+  if (shared && at::get_num_threads() > 1)
+    at::globalContext().alertNotDeterministic("sdpa_math::backward on the CPU with shared (GQA or broadcast) inputs");
+}
+
 // Returns (grad_query, grad_key, grad_value, grad_attn_mask); a gradient not asked for by
 // `output_mask` comes back as an empty tensor of
 // shape (0,): custom-op schemas cannot return optional tensors.
@@ -159,6 +190,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_kernel(
     const at::OptionalDeviceGuard guard(at::device_of(q));  // see on_tensors_device
     sdpa_math::BackwardArgs a;
     a.forward = forward_args(q, k, v, mask, dropout_p, is_causal, dropout_mask, scale, enable_gqa, seed, offset);
+    alert_if_nondeterministic(a.forward, mask, output_mask);
     a.logsumexp = view_of(logsumexp);
     a.grad_output = view_of(grad_output);
     a.grad_probs = view_of(grad_probs);
