@@ -42,10 +42,13 @@ for stage in $stages; do
       log "pytest (GPU and CPU suites)"
       python3 -m pytest -q -p no:cacheprovider ${SDPA_MATH_PYTEST_ARGS:-tests/python} 2>&1 | tee "$OUT/pytest.log" | tail -25 ;;
     sanitize)
-      for tool in memcheck racecheck synccheck; do
+      for tool in memcheck racecheck synccheck initcheck; do
         log "compute-sanitizer $tool"
         compute-sanitizer --tool $tool --print-limit 20 python3 tests/gpu/sanitize_cases.py 2>&1 | tail -15 | tee "$OUT/sanitizer-$tool.log"
-      done ;;
+      done
+      log "compute-sanitizer memcheck over ${SDPA_MATH_FUZZ_PROBLEMS:=25} fuzz problems"
+      SDPA_MATH_FUZZ_PROBLEMS=$SDPA_MATH_FUZZ_PROBLEMS compute-sanitizer --tool memcheck --print-limit 20 \
+        python3 -m pytest -q -s -p no:cacheprovider tests/python/test_fuzz.py -k cuda 2>&1 | tail -15 | tee "$OUT/sanitizer-fuzz-memcheck.log" ;;
     bench)
       log "benchmark: anchor shapes and input variants, fp16 and bf16"
       python3 -m sdpa_math.bench run --device cuda --set anchors+variants --dtypes float16 bfloat16 --out "$OUT" 2>&1 | tail -40 ;;

@@ -1,5 +1,5 @@
 """A few forward+backward calls of every CUDA kernel family, small enough to run under
-compute-sanitizer (memcheck, racecheck): tails in L and S, padded head sizes, masks, causal,
+compute-sanitizer (memcheck, racecheck, synccheck, initcheck): tails in L and S, padded head sizes, masks, causal,
 GQA, dropout, strided inputs, fp16/bf16 (tensor cores), a few query rows (the decode path) and
 fp32/fp64 (generic path).
 
@@ -52,6 +52,9 @@ def main():
         run(dtype, 1, 2, 2, 3, 530, 200, 256, mask="float", dropout=0.2)  # decode path
         run(dtype, 2, 4, 4, 2, 70, 64, 64, mask="bool")                    # decode path
         run(dtype, 1, 2, 2, 4, 300, 32, 32, causal=True)                   # decode path
+        run(dtype, 2, 8, 2, 1, 600, 128, 128)                              # GQA decode, whole groups
+        run(dtype, 1, 8, 1, 1, 300, 64, 64, mask="float")                  # GQA decode, half groups
+        run(dtype, 1, 4, 2, 2, 270, 16, 16, mask="bool")                   # GQA decode, 2 heads x 2 rows
     for dtype in (torch.float32, torch.float64):
         run(dtype, 1, 2, 2, 9, 13, 20, 12, mask="float")
         run(dtype, 1, 2, 1, 8, 11, 16, 16, causal=True, dropout=0.3)
