@@ -88,8 +88,12 @@ def check_problem(case, dtype, seed, device):
     # The reference takes the cotangents as our op receives them: rounded to the dtype.
     ref = torch.autograd.grad((ref_out, ref_probs), ref_leaves,
                               (g_out.to(out.dtype).double(), g_probs.to(probs.dtype).double()))
+    # A gradient that is zero in float64 (one key: dS = 0) is rounding residue in fp16/bf16, of
+    # the size of the products that cancel: atol scales with the inputs' magnitudes.
+    mag = max(1.0, *(t.abs().max().item() for t in (q, k, v) if t.numel())) ** 2
     for name, a, b in zip(("dq", "dk", "dv", "dmask"), got, ref):
         g_rtol, g_atol = max(GRAD_TOL[dtype], GRAD_TOL.get(a.dtype, GRAD_TOL[dtype]))
+        g_atol *= mag
         assert torch.isfinite(a).all() == torch.isfinite(b).all(), name
         err = rel_err(torch.nan_to_num(a), torch.nan_to_num(b), g_atol)
         assert err <= g_rtol, (name, err)

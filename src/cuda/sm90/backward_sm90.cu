@@ -224,7 +224,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     // This thread's pairs of P and dP_ext (rows warp * 16 + g + 8r, keys 8n + 2t..) in the
     // warpgroup's swizzled block, as TMA writes it.
-    auto swizzled = [&](int n, int r) { return swizzled_pair(warp * 16 + g + 8 * r, n, t, kBM); };
+    auto swizzled = [&](int n, int r) { return swizzled_pair(warp * 16 + g + 8 * r, n, t); };
     uint32_t p_raw[8][2], x_raw[8][2];
 
     // dP_w = dO V_wᵀ, then dV_w += P_wᵀ dO; dS needs only the first.

@@ -371,7 +371,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int jj = n * 8 + 2 * t;  // S is even (forward_applies): pairs never straddle the end
         if (a.p_tma) {
           const int rr = warp * 16 + g + 8 * r;
-          *reinterpret_cast<uint32_t*>(p_tile + swizzled_pair(rr, n, t, 64)) = pr;
+          *reinterpret_cast<uint32_t*>(p_tile + (n / 8) * 64 * 64 + swizzled_pair(rr, n % 8, t)) = pr;
         } else if (row_ok[r] && (clean || jj < keys)) {
           *reinterpret_cast<uint32_t*>(p_row[r] + j0 + jj) = pr;
         }

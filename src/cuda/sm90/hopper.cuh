@@ -23,12 +23,10 @@ namespace sdpa_math::cuda::sm90 {
 
 SDPA_MATH_D uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 
-// The element offset of a thread's pair (row r, 16-bit columns 8n + 2t and 8n + 2t + 1) in a tile
-// of [rows][64] column blocks stored with the 128-byte swizzle (as TMA writes and reads it):
-// column block n / 8, then 16-byte chunk (n % 8) ^ (r % 8) of row r.
-SDPA_MATH_D int swizzled_pair(int r, int n, int t, int rows) {
-  return (n / 8) * rows * 64 + r * 64 + (((n % 8) ^ (r % 8)) * 8) + 2 * t;
-}
+// The element offset of a thread's pair (row r, 16-bit columns 8n + 2t and 8n + 2t + 1, n < 8)
+// in a [rows][64] column block stored with the 128-byte swizzle (as TMA writes and reads it):
+// 16-byte chunk n ^ (r % 8) of row r.
+SDPA_MATH_D int swizzled_pair(int r, int n, int t) { return r * 64 + ((n ^ (r & 7)) * 8) + 2 * t; }
 
 // ---- mbarriers --------------------------------------------------------------------------------
 
