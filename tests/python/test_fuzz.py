@@ -89,8 +89,9 @@ def check_problem(case, dtype, seed, device):
     ref = torch.autograd.grad((ref_out, ref_probs), ref_leaves,
                               (g_out.to(out.dtype).double(), g_probs.to(probs.dtype).double()))
     # A gradient that is zero in float64 (one key: dS = 0) is rounding residue in fp16/bf16, of
-    # the size of the products that cancel: atol scales with the inputs' magnitudes.
-    mag = max(1.0, *(t.abs().max().item() for t in (q, k, v) if t.numel())) ** 2
+    # the size of the products that cancel (dO . O over Ev terms; seen on the H200: 2e-2 relative
+    # to the unscaled atol): atol scales with the inputs' magnitudes and the head size.
+    mag = max(1.0, *(t.abs().max().item() for t in (q, k, v) if t.numel())) ** 2 * max(case.E, case.Ev) ** 0.5
     for name, a, b in zip(("dq", "dk", "dv", "dmask"), got, ref):
         g_rtol, g_atol = max(GRAD_TOL[dtype], GRAD_TOL.get(a.dtype, GRAD_TOL[dtype]))
         g_atol *= mag
