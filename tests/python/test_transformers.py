@@ -103,3 +103,18 @@ def test_whisper_style_encoder_decoder_cross_attention():
     _compare(eager, ours, dict(input_features=feats, decoder_input_ids=dec),
              ["cross_attentions", "encoder_attentions", "decoder_attentions"],
              lambda out: torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), dec[:, 1:].flatten()))
+
+
+@pytest.mark.parametrize("name", ["softcap", "s_aux", "position_bias"])
+def test_score_changing_keywords_are_refused_not_ignored(name):
+    """Gemma 2's softcap, GPT-OSS's sinks, T5's position bias: ignoring them gave maps that differ
+    from eager's without an error; now the call names the keyword. Unset (None), they are fine."""
+    from sdpa_math.integrations.transformers import sdpa_math_attention_forward
+
+    module = torch.nn.Module()
+    module.is_causal = False
+    q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
+    with pytest.raises(ValueError, match=f"{name}=.*attn_implementation=\"eager\""):
+        sdpa_math_attention_forward(module, q, k, v, None, **{name: torch.ones(1)})
+    out, probs = sdpa_math_attention_forward(module, q, k, v, None, **{name: None})
+    assert out.shape == (1, 5, 2, 8) and probs.shape == (1, 2, 5, 5)

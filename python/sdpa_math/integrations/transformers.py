@@ -15,6 +15,12 @@ from ..api import attention
 
 NAME = "sdpa_math"
 
+# Keywords some models pass that change the scores in ways the operator does not implement:
+# Gemma 2's logit soft-capping, GPT-OSS's attention sinks, T5's relative position bias. Ignoring
+# them would return maps that differ from eager's without a word, so a call with one of them set
+# is refused; such models run with attn_implementation="eager".
+UNSUPPORTED = {"softcap": "logit soft-capping", "s_aux": "attention sinks", "position_bias": "a position bias"}
+
 
 def sdpa_math_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                                 is_causal=None, **kwargs):
@@ -22,7 +28,12 @@ def sdpa_math_attention_forward(module, query, key, value, attention_mask, dropo
 
     query (B, Hq, L, D), key/value (B, Hkv, S, D) not repeated for GQA, attention_mask a bool
     (B, 1, L, S) mask (True = attend), a float additive mask, or None. Returns the output as
-    (B, L, Hq, D), contiguous, and the weights P as (B, Hq, L, S)."""
+    (B, L, Hq, D), contiguous, and the weights P as (B, Hq, L, S). Raises ValueError for a keyword
+    of UNSUPPORTED that is set."""
+    for name, what in UNSUPPORTED.items():
+        if kwargs.get(name) is not None:
+            raise ValueError(f"sdpa_math attention does not implement {what} ({name}=...): its maps would "
+                             f"differ from eager attention's; load this model with attn_implementation=\"eager\"")
     if attention_mask is not None:
         attention_mask = attention_mask[:, :, :, : key.shape[-2]]
     # Causal with no mask is how transformers asks for plain causal attention (the mask
