@@ -1,9 +1,40 @@
-"""`python -m sdpa_math COMMAND`: demo (the default), bench, probe."""
+"""`python -m sdpa_math [COMMAND] [ARGS]`: demo (the default), bench, probe, info."""
 import sys
+
+USAGE = """usage: python -m sdpa_math [COMMAND] [ARGS...]
+
+commands:
+  demo    attention maps of a small model's layer, drawn to a PNG (the default)
+  bench   the side-by-side benchmark (run) and the performance gate (gate)
+  probe   re-check the contract's observed lines against the installed PyTorch
+  info    what this build contains: versions, devices, kernels
+
+`python -m sdpa_math COMMAND --help` for a command's own arguments."""
+
+
+def info(argv):
+    """Prints the package and PyTorch versions, and which backends this build registered."""
+    import torch
+
+    import sdpa_math
+
+    has_cuda = torch._C._dispatch_has_kernel_for_dispatch_key("sdpa_math::forward", "CUDA")
+    print(f"sdpa_math {sdpa_math.__version__} from {sdpa_math.__file__}")
+    print(f"torch {torch.__version__} (CUDA {torch.version.cuda})")
+    print(f"CPU kernels: yes; CUDA kernels: {'yes' if has_cuda else 'no (built without nvcc)'}")
+    if has_cuda and torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            cc = torch.cuda.get_device_capability(i)
+            path = "Hopper wgmma/TMA kernels" if cc == (9, 0) else "mma.sync kernels"
+            print(f"cuda:{i} {torch.cuda.get_device_name(i)} sm_{cc[0]}{cc[1]}: {path}")
+    return 0
 
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
     command = argv.pop(0) if argv and not argv[0].startswith("-") else "demo"
     if command == "demo":
         from .demo import main as run
@@ -11,8 +42,10 @@ def main(argv=None):
         from .bench import main as run
     elif command == "probe":
         from .probe import main as run
+    elif command == "info":
+        run = info
     else:
-        print(f"unknown command {command!r}; use demo, bench or probe", file=sys.stderr)
+        print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2
     return run(argv)
 

@@ -102,3 +102,15 @@ def test_mask_gradient_without_float_mask_is_an_error():
     with pytest.raises(RuntimeError, match="no float attn_mask to differentiate"):
         ops.backward(torch.randn_like(out), None, q, k, v, bool_mask, lse, None, None, 0.0, False, None, None, False, 0, 0,
                      [True, True, True, True])
+
+
+def test_command_line_help_info_and_unknown_command(capsys):
+    from sdpa_math.__main__ import main
+
+    assert main(["--help"]) == 0
+    assert all(c in capsys.readouterr().out for c in ("demo", "bench", "probe", "info"))
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert f"sdpa_math {sdpa_math.__version__}" in out and f"torch {torch.__version__}" in out
+    assert main(["no-such-command"]) == 2
+    assert "unknown command 'no-such-command'" in capsys.readouterr().err
