@@ -108,7 +108,8 @@ def test_command_line_help_info_and_unknown_command(capsys):
     from sdpa_math.__main__ import main
 
     assert main(["--help"]) == 0
-    assert all(c in capsys.readouterr().out for c in ("demo", "bench", "probe", "info"))
+    usage = capsys.readouterr().out
+    assert all(c in usage for c in ("demo", "bench", "probe", "info"))
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert f"sdpa_math {sdpa_math.__version__}" in out and f"torch {torch.__version__}" in out
