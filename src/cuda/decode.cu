@@ -28,7 +28,7 @@ namespace {
 constexpr int kThreads = 128;  // 4 warps
 constexpr int kWarps = kThreads / 32;
 constexpr int kSplitKeys = 256;
-constexpr int kUnroll = 4;          // warp steps whose loads are issued together
+constexpr int kUnroll = 4;          // warp steps in flight per warp: two register buffers of kUnroll / 2
 constexpr int kFinalizeThreads = 256;
 constexpr int64_t kFinalizeKeys = 4096;               // keys of one row per finalize CTA
 constexpr int64_t kWorkspaceFloats = (64 << 20) / 4;  // 64 MiB
@@ -396,7 +396,10 @@ __global__ void __launch_bounds__(kFinalizeThreads) decode_finalize(DevProblem p
 //   keys, then added to the fp32 dQ.
 // The step's P and dP elements are loaded beside its K and V rows, so one memory latency is
 // paid per step, not two. A tile backward would sweep a 64-row query tile per key block for one
-// row. Three CTAs per SM: the per-row dQ sums need more than 128 registers without spilling.
+// row. CTAs per SM: five for one row (96 registers, a few bytes spilled outside the key loop, and
+// measured faster than a four-CTA variant: bench/NOTES.md session 13), three for four rows, whose per-row dQ
+// sums need more than 128 registers.
+// (A CTA's rows are `heads` heads of one GQA group, L rows each: RowInfo.)
 template <typename T, int DT, int R, bool PLAIN>
 __global__ void __launch_bounds__(kThreads, R == 1 ? 5 : 3) decode_backward(DevProblem p, BackwardBuffers<float> gb, int64_t blocks, int64_t heads) {
   using Lay = Layout<T, DT>;
