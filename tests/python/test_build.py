@@ -59,3 +59,14 @@ def test_validation_error_reaches_python_in_a_fresh_process(device):
     assert run.returncode == 0, f"exit {run.returncode}: {run.stderr[-2000:]}"
     # The whole message: the mixed-runtime build above also cut it short at the shape's "(".
     assert "raised:" in run.stdout and "got shape (4)" in run.stdout, run.stdout
+
+
+def test_installed_version_is_the_packages_one():
+    """The version is written once (__version__); the wheel's metadata and CMake read it from there."""
+    import importlib.metadata
+
+    try:
+        installed = importlib.metadata.version("sdpa_math")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("sdpa_math imported from a source tree, not an installed build")
+    assert installed == sdpa_math.__version__
