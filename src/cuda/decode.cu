@@ -51,7 +51,7 @@ struct DecodeWorkspace {
   float* partial;  // [chunk][row][block][Ev]: the block's sum of exp(s - m_b) M V
   int64_t blocks;  // key blocks per head
   int64_t lead0;
-  int64_t heads;   // heads per CTA (heads_per_cta)
+  int64_t heads;   // heads per CTA (decode_heads_per_cta)
 };
 
 // exp(x - m) as a weight relative to a max m >= x: 0 for x = -inf (also when m = -inf, which
@@ -163,16 +163,6 @@ SDPA_MATH_D float keep_at(const DevProblem& p, const RowInfo& ri, int64_t j) {
   else return keep_of<float>(p, ri.dmask_at, ri.lead, ri.r, j);
 }
 SDPA_MATH_HD bool plain(const DevProblem& p) { return !p.mask.data && !p.causal && p.dropout == Dropout::None; }
-
-// How many heads of one key head's group a CTA takes: the most that divide the group with
-// heads * L <= kDecodeMaxRows (1 without GQA).
-int64_t heads_per_cta(const DevProblem& p) {
-  const int64_t g = p.k.head_group == p.v.head_group ? p.k.head_group : 1;
-  int64_t h = 1;
-  for (int64_t d = 1; d <= g; ++d)
-    if (g % d == 0 && d * p.L <= kDecodeMaxRows) h = d;
-  return h;
-}
 
 // The masked logits of key rows whose K chunks this lane holds (U warp steps from j0): key
 // j0 + u * KPW + (lane / LPK). Every lane of a group gets its key's logit; rows past L and keys
@@ -617,7 +607,7 @@ int64_t workspace_per_lead(const DevProblem& p) {
   return p.L * p.S + p.L * blocks * (p.Ev + 2);
 }
 int64_t leads_per_pass(const DevProblem& p) {
-  const int64_t heads = heads_per_cta(p);  // whole groups: num_lead is a multiple of it
+  const int64_t heads = decode_heads_per_cta(p);  // whole groups: num_lead is a multiple of it
   return std::max<int64_t>(1, std::min<int64_t>(p.num_lead, kWorkspaceFloats / workspace_per_lead(p)) / heads) * heads;
 }
 
@@ -641,12 +631,20 @@ bool decode_backward_applies(const DevProblem& p) {
   return decode_applies(p) && (p.q.dtype == DType::Float16 || p.q.dtype == DType::BFloat16);
 }
 
-int64_t decode_heads_per_cta(const DevProblem& p) { return heads_per_cta(p); }
+// How many heads of one key head's group a CTA takes: the most that divide the group with
+// heads * L <= kDecodeMaxRows (1 without GQA).
+int64_t decode_heads_per_cta(const DevProblem& p) {
+  const int64_t g = p.k.head_group == p.v.head_group ? p.k.head_group : 1;
+  int64_t h = 1;
+  for (int64_t d = 1; d <= g; ++d)
+    if (g % d == 0 && d * p.L <= kDecodeMaxRows) h = d;
+  return h;
+}
 
 template <typename T>
 void launch_backward_for_head(const DevProblem& p, const BackwardBuffers<float>& g, cudaStream_t stream) {
   const int64_t head = p.E > p.Ev ? p.E : p.Ev;
-  const int64_t heads = heads_per_cta(p), count = heads * p.L;
+  const int64_t heads = decode_heads_per_cta(p), count = heads * p.L;
   const int64_t blocks = (p.S + kSplitKeys - 1) / kSplitKeys, ctas = p.num_lead / heads * blocks;
   if (ctas > 2147483647LL) throw Error(ErrorCode::CudaFailure, "too many key blocks for one CUDA launch");
   auto go = [&](auto kernel, int dt) {
@@ -689,7 +687,7 @@ void decode_forward(const DevProblem& p, float* workspace, cudaStream_t stream) 
     w.partial = w.stats + chunk * p.L * blocks * 2;
     w.blocks = blocks;
     w.lead0 = lead0;
-    w.heads = heads_per_cta(p);
+    w.heads = decode_heads_per_cta(p);
     switch (p.q.dtype) {
       case DType::Float16: launch_for_head<__half>(p, w, chunk, stream); break;
       case DType::BFloat16: launch_for_head<__nv_bfloat16>(p, w, chunk, stream); break;

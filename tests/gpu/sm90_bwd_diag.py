@@ -1,11 +1,13 @@
 """Diagnostics of the Hopper backward on one GPU: where gradients differ from float64 (per batch,
 head, row/key), and the CUDA kernel times of one backward on the anchor shapes (profiler)."""
-import re
 import sys
 
 import torch
 
 import sdpa_math
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from kernel_times import kernel_ms  # noqa: E402
 
 aten_math = torch.ops.aten._scaled_dot_product_attention_math
 
@@ -49,20 +51,8 @@ def kernel_times(dtype=torch.float16):
                     torch.autograd.grad(out, (q, k, v), g_out)
                 else:
                     torch.autograd.grad((out, p), (q, k, v), (g_out, g_p))
-            for _ in range(3):
-                step()
-            torch.cuda.synchronize()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                for _ in range(10):
-                    step()
-                torch.cuda.synchronize()
-            agg = {}
-            for e in prof.events():
-                if e.device_type == torch.autograd.DeviceType.CUDA:
-                    found = re.search(r"::(\w+)<", e.name)
-                    key = found.group(1) if found else e.name[:30]
-                    agg[key] = agg.get(key, 0.0) + e.device_time / 10 / 1000
-            print(f"{name} grads through {which}: " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(agg.items(), key=lambda kv: -kv[1])[:7]))
+            times = kernel_ms(step)  # (kernel, ms) longest first
+            print(f"{name} grads through {which}: " + ", ".join(f"{k} {v:.3f}" for k, v in times[:7]))
 
 
 if __name__ == "__main__":
