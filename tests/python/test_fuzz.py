@@ -61,9 +61,12 @@ def reference(args, kwargs, float_mask):
     return out, probs, leaves
 
 
-def rel_err(a, b, atol):
+def rel_err(a, b, atol, residue=0.0):
+    """||a - b|| relative to ||b|| + atol·sqrt(n), less an absolute allowance of residue·sqrt(n)
+    (rounding residue where the float64 value is exactly zero)."""
     a, b = a.detach().cpu().double(), b.detach().cpu().double()
-    return ((a - b).norm() / (b.norm() + atol * b.numel() ** 0.5)).item()
+    n = b.numel() ** 0.5
+    return (max((a - b).norm().item() - residue * n, 0.0) / (b.norm().item() + atol * n))
 
 
 def check_problem(case, dtype, seed, device):
@@ -88,15 +91,21 @@ def check_problem(case, dtype, seed, device):
     # The reference takes the cotangents as our op receives them: rounded to the dtype.
     ref = torch.autograd.grad((ref_out, ref_probs), ref_leaves,
                               (g_out.to(out.dtype).double(), g_probs.to(probs.dtype).double()))
-    # A gradient that is zero in float64 (one key: dS = 0) is rounding residue in fp16/bf16, of
-    # the size of the products that cancel (dO . O over Ev terms; seen on the H200: 2e-2 relative
-    # to the unscaled atol): atol scales with the inputs' magnitudes and the head size.
+    # A gradient that is zero in float64 (one key: dS = P (dP - delta) = 0) is rounding residue
+    # here, of the size of the products that cancel (dO . O over Ev terms, times the dropout
+    # scale). The relative test cannot bound it (seen on the H200: fp16 2e-2 and fp32 5e-4 of
+    # that test's allowance, 1e-7 per element in fp32), so a residue of the dtype's
+    # roundoff times those magnitudes is allowed per element as well: an eighth of eps·mag, as mag
+    # takes the largest |q|, |k|, |v| where the typical terms are several times smaller (the fp32
+    # residue seen was about a third of this allowance).
     mag = max(1.0, *(t.abs().max().item() for t in (q, k, v) if t.numel())) ** 2 * max(case.E, case.Ev) ** 0.5
+    mag /= 1.0 - (p if case.dropout != "none" else 0.0)
     for name, a, b in zip(("dq", "dk", "dv", "dmask"), got, ref):
         g_rtol, g_atol = max(GRAD_TOL[dtype], GRAD_TOL.get(a.dtype, GRAD_TOL[dtype]))
         g_atol *= mag
+        residue = torch.finfo(dtype).eps * mag / 8
         assert torch.isfinite(a).all() == torch.isfinite(b).all(), name
-        err = rel_err(torch.nan_to_num(a), torch.nan_to_num(b), g_atol)
+        err = rel_err(torch.nan_to_num(a), torch.nan_to_num(b), g_atol, residue)
         assert err <= g_rtol, (name, err)
 
 
@@ -132,14 +141,14 @@ def bad_inputs(device):
 def test_fuzz_problems_then_bad_inputs(device, monkeypatch):
     monkeypatch.setenv("SDPA_MATH_POISON_OUTPUTS", "1")
     rng = random.Random(20261201 + (device == "cuda"))
-    done = 0
+    done, failures = 0, []
     for n in range(PROBLEMS):
         case = draw_case(rng)
         dtype = rng.choice(DEVICE_DTYPES[device])
         try:
             check_problem(case, dtype, seed=n, device=device)
-        except AssertionError as e:
-            raise AssertionError(f"problem {n}: {case} {dtype}: {e}") from e
+        except AssertionError as e:  # every mismatch is reported, not only the first
+            failures.append(f"problem {n}: {case} {dtype}: {e}")
         done += 1
     for fn, message in bad_inputs(device):
         with pytest.raises(RuntimeError) as info:
@@ -149,4 +158,6 @@ def test_fuzz_problems_then_bad_inputs(device, monkeypatch):
     # The device is still usable after the errors.
     out, probs = sdpa_math.attention(*(torch.ones(1, 1, 2, 8, device=device) for _ in range(3)))
     assert torch.allclose(probs.cpu(), torch.full((1, 1, 2, 2), 0.5))
-    print(f"fuzz on {device}: {done} problems and {len(bad_inputs(device))} bad inputs without a crash")
+    print(f"fuzz on {device}: {done} problems and {len(bad_inputs(device))} bad inputs without a crash, "
+          f"{len(failures)} mismatches")
+    assert not failures, "\n".join(failures)
