@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <string>
 
 #include "sdpa_math/error.h"
 #include "sdpa_math/tensor_view.h"
@@ -94,5 +95,15 @@ void backward(Backend backend, const BackwardArgs& args, const BackwardOutputs& 
 // Threads used by the CPU backend (0 = OpenMP's default).
 void set_cpu_threads(int n);
 int cpu_threads();
+
+// The instruction-set level of the CPU kernels in use: "avx512" (x86-64-v4), "avx2" (x86-64-v3:
+// AVX2, FMA, F16C) or "baseline" (any x86-64, or another architecture). The default is the best
+// level that this build has and this CPU supports; the environment variable SDPA_MATH_CPU_ISA,
+// read at the first call, or set_cpu_isa choose a lower one (for tests, or to compare levels).
+const char* cpu_isa();
+// The levels this build has that this CPU can run, best first, comma-separated.
+std::string cpu_isas_available();
+// Throws Error(BackendUnavailable) naming the available levels when `level` is not one of them.
+void set_cpu_isa(const std::string& level);
 
 }  // namespace sdpa_math

@@ -21,7 +21,8 @@ def info(argv):
     has_cuda = torch._C._dispatch_has_kernel_for_dispatch_key("sdpa_math::forward", "CUDA")
     print(f"sdpa_math {sdpa_math.__version__} from {sdpa_math.__file__}")
     print(f"torch {torch.__version__} (CUDA {torch.version.cuda})")
-    print(f"CPU kernels: yes; CUDA kernels: {'yes' if has_cuda else 'no (built without nvcc)'}")
+    print(f"CPU kernels: {sdpa_math.cpu_isa()} (this build and CPU have: {', '.join(sdpa_math.cpu_isas_available())}); "
+          f"CUDA kernels: {'yes' if has_cuda else 'no (built without nvcc)'}")
     if has_cuda and torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             cc = torch.cuda.get_device_capability(i)

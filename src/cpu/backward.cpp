@@ -22,7 +22,7 @@
 #include "rows.h"
 #include "simd.h"
 
-namespace sdpa_math::cpu {
+SDPA_MATH_CPU_BEGIN
 namespace {
 
 // dst += src over a (rows x cols) block with the given strides of dst.
@@ -310,4 +310,4 @@ void backward(const core::Problem& p, const BackwardArgs& args, const BackwardOu
   }
 }
 
-}  // namespace sdpa_math::cpu
+SDPA_MATH_CPU_END

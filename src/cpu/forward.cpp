@@ -13,7 +13,7 @@
 #include "rows.h"
 #include "simd.h"
 
-namespace sdpa_math::cpu {
+SDPA_MATH_CPU_BEGIN
 
 int64_t rows_per_block(int64_t S) {
   // 32K floats = 128 KB of scores per block (S = 1024 -> 32 rows), in multiples of the GEMM's 8
@@ -84,4 +84,4 @@ void forward(const core::Problem& p, const ForwardOutputs& out) {
   }
 }
 
-}  // namespace sdpa_math::cpu
+SDPA_MATH_CPU_END

@@ -5,7 +5,7 @@
 
 #include "simd.h"
 
-namespace sdpa_math::cpu {
+SDPA_MATH_CPU_BEGIN
 namespace {
 
 // A as seen by the register block: element (r, k) at a[r * row + k * step]. A plain product has
@@ -181,4 +181,4 @@ void gemm_nt(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64
   }
 }
 
-}  // namespace sdpa_math::cpu
+SDPA_MATH_CPU_END

@@ -3,9 +3,11 @@
 // without packing A is enough (see bench/NOTES.md).
 #pragma once
 
+#include "isa.h"
+
 #include <cstdint>
 
-namespace sdpa_math::cpu {
+SDPA_MATH_CPU_BEGIN
 
 // How a product's result reaches C: overwrite it, add to it, or overwrite it with non-temporal
 // stores (a result written once and not read again soon: its cache lines are not read in first;
@@ -28,4 +30,4 @@ void gemm_nt(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64
 // transposed, 16 x 16 blocks at a time in registers.
 void transpose(const float* src, int64_t rows, int64_t cols, int64_t ld, float* dst, int64_t dst_ld);
 
-}  // namespace sdpa_math::cpu
+SDPA_MATH_CPU_END

@@ -1,6 +1,11 @@
 // The CPU backend: fp16, bf16 and fp32 inputs, fp32 accumulation, OpenMP threads over
 // (head, query block) tasks. Each task keeps its block's scores in cache and writes P once.
+//
+// The kernels exist once per x86-64 level (isa.h); forward and backward here pick the copy for
+// this CPU (dispatch.cpp).
 #pragma once
+
+#include <string>
 
 #include "../core/problem.h"
 
@@ -9,7 +14,15 @@ namespace sdpa_math::cpu {
 void forward(const core::Problem& p, const ForwardOutputs& out);
 void backward(const core::Problem& p, const BackwardArgs& args, const BackwardOutputs& out);
 
-// Query rows per task: the block's fp32 scores (rows x S) should stay in a core's L2.
-int64_t rows_per_block(int64_t S);
+// Each level's copy of the entry points (defined in forward.cpp and backward.cpp compiled for it).
+#define SDPA_MATH_CPU_DECLARE_LEVEL(level)                                                           \
+  namespace level {                                                                                  \
+  void forward(const core::Problem& p, const ForwardOutputs& out);                                   \
+  void backward(const core::Problem& p, const BackwardArgs& args, const BackwardOutputs& out);       \
+  }
+SDPA_MATH_CPU_DECLARE_LEVEL(avx512)
+SDPA_MATH_CPU_DECLARE_LEVEL(avx2)
+SDPA_MATH_CPU_DECLARE_LEVEL(baseline)
+#undef SDPA_MATH_CPU_DECLARE_LEVEL
 
 }  // namespace sdpa_math::cpu

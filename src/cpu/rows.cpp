@@ -1,12 +1,10 @@
 #include "rows.h"
 
-#include <omp.h>
-#if defined(__F16C__)
+#if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -16,18 +14,7 @@
 #include "sdpa_math/dropout_rng.h"
 #include "sdpa_math/half.h"
 
-namespace sdpa_math {
-namespace {
-std::atomic<int> g_cpu_threads{0};
-}
-void set_cpu_threads(int n) { g_cpu_threads = n < 0 ? 0 : n; }
-int cpu_threads() {
-  int n = g_cpu_threads.load();
-  return n > 0 ? n : omp_get_max_threads();
-}
-}  // namespace sdpa_math
-
-namespace sdpa_math::cpu {
+SDPA_MATH_CPU_BEGIN
 namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 }
@@ -37,21 +24,21 @@ namespace {
 // half.h's scalar conversion; the scalar loop finishes the tail). Returns how many it did.
 int64_t half_to_float_vec(const uint16_t* p, int64_t n, float* out) {
   int64_t j = 0;
-#if defined(__F16C__)
+#if SDPA_MATH_CPU_LEVEL >= 3
   for (; j + 8 <= n; j += 8)
     _mm256_storeu_ps(out + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + j))));
 #endif
-  (void)p, (void)out;
+  (void)p, (void)n, (void)out;
   return j;
 }
 int64_t float_to_half_vec(const float* in, int64_t n, uint16_t* p) {
   int64_t j = 0;
-#if defined(__F16C__)
+#if SDPA_MATH_CPU_LEVEL >= 3
   for (; j + 8 <= n; j += 8)
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p + j),
                      _mm256_cvtps_ph(_mm256_loadu_ps(in + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 #endif
-  (void)in, (void)p;
+  (void)in, (void)n, (void)p;
   return j;
 }
 }  // namespace
@@ -356,4 +343,4 @@ int64_t task_chunk(int64_t heads, int64_t blocks_per_head, int threads) {
 
 float dot_row(const float* a, const float* b, int64_t n) { return dot(a, b, n); }
 
-}  // namespace sdpa_math::cpu
+SDPA_MATH_CPU_END

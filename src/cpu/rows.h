@@ -2,12 +2,14 @@
 // backward both call these, so each rule (mask, causal, softmax, dropout) is written once here.
 #pragma once
 
+#include "isa.h"
+
 #include <cstdint>
 #include <vector>
 
 #include "../core/problem.h"
 
-namespace sdpa_math::cpu {
+SDPA_MATH_CPU_BEGIN
 
 // Strided elements of any floating (or bool) dtype to fp32, and back.
 void load_row(DType dtype, const char* base, int64_t offset, int64_t stride, int64_t n, float* out);
@@ -80,4 +82,7 @@ int64_t task_chunk(int64_t heads, int64_t blocks_per_head, int threads);
 // sum_j a[j] * b[j] in fp32, vectorised.
 float dot_row(const float* a, const float* b, int64_t n);
 
-}  // namespace sdpa_math::cpu
+// Query rows per task: the block's fp32 scores (rows x S) should stay in a core's L2 (forward.cpp).
+int64_t rows_per_block(int64_t S);
+
+SDPA_MATH_CPU_END

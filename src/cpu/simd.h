@@ -4,13 +4,15 @@
 // semantics that need -ffast-math to drop), so the kernels are written on these.
 #pragma once
 
+#include "isa.h"
+
 #include <cstdint>
 #include <cstring>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
-namespace sdpa_math::cpu {
+SDPA_MATH_CPU_BEGIN
 
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef float f32x8 __attribute__((vector_size(32)));
@@ -36,10 +38,10 @@ inline f32x16 splat(float x) { return f32x16{} + x; }
 template <class V>
 inline void store_streaming(float* p, V v) {
   if (reinterpret_cast<uintptr_t>(p) % sizeof(V) == 0) {
-#if defined(__AVX512F__)
+#if SDPA_MATH_CPU_LEVEL >= 4
     if constexpr (sizeof(V) == 64) return _mm512_stream_ps(p, reinterpret_cast<__m512&>(v));
 #endif
-#if defined(__AVX__)
+#if SDPA_MATH_CPU_LEVEL >= 3
     if constexpr (sizeof(V) == 32) return _mm256_stream_ps(p, reinterpret_cast<__m256&>(v));
 #endif
   }
@@ -120,4 +122,4 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
-}  // namespace sdpa_math::cpu
+SDPA_MATH_CPU_END

@@ -7,18 +7,38 @@
 // - the vectorised softmax: lengths that are and are not multiples of the 16-lane vectors, -inf
 //   entries, masked rows;
 // - the vectorised fp16 row conversions against half.h's scalar ones, bit for bit.
+// This file is compiled once per level of the CPU kernels (src/cpu/isa.h, SDPA_MATH_CPU_ISA) and
+// tests that level's copy; its tests are named <Suite>_<level> and skip where the CPU lacks it.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "cpu/gemm.h"
 #include "cpu/rows.h"
+#include "sdpa_math/attention.h"
 #include "sdpa_math/half.h"
 
-namespace sdpa_math::cpu {
+#define SDPA_MATH_PASTE2(a, b) a##_##b
+#define SDPA_MATH_PASTE(a, b) SDPA_MATH_PASTE2(a, b)
+#define SDPA_MATH_STR2(a) #a
+#define SDPA_MATH_STR(a) SDPA_MATH_STR2(a)
+// A test suite of this level: TileProduct_avx512, ...
+#define LEVEL_SUITE(name) SDPA_MATH_PASTE(name, SDPA_MATH_CPU_ISA)
+// gtest pastes INSTANTIATE_TEST_SUITE_P's suite name unexpanded: this expands it first.
+#define INSTANTIATE_LEVEL_SUITE_P(prefix, suite, ...) INSTANTIATE_TEST_SUITE_P(prefix, suite, __VA_ARGS__)
+// Skips the test where this CPU cannot run the level's instructions.
+#define SKIP_UNLESS_LEVEL_RUNS()                                                                        \
+  do {                                                                                                 \
+    const std::string level = SDPA_MATH_STR(SDPA_MATH_CPU_ISA);                                        \
+    if ((", " + sdpa_math::cpu_isas_available() + ",").find(" " + level + ",") == std::string::npos) \
+      GTEST_SKIP() << "this CPU cannot run the " << level << " kernels";                              \
+  } while (0)
+
+namespace sdpa_math::cpu::SDPA_MATH_CPU_ISA {
 namespace {
 
 struct Dims {
@@ -32,11 +52,12 @@ std::vector<float> random_floats(std::mt19937_64& rng, size_t n) {
   return v;
 }
 
-class TileProduct : public ::testing::TestWithParam<Dims> {};
+class LEVEL_SUITE(TileProduct) : public ::testing::TestWithParam<Dims> {};
 
 enum class Form { NN, NT, TN };
 
-TEST_P(TileProduct, MatchesDoubleLoops) {
+TEST_P(LEVEL_SUITE(TileProduct), MatchesDoubleLoops) {
+  SKIP_UNLESS_LEVEL_RUNS();
   const auto [M, N, K] = GetParam();
   std::mt19937_64 rng(M * 1000003 + N * 1009 + K);
   // Padded leading dimensions: the kernels must honour them, not assume packed rows. C's rows are
@@ -79,7 +100,7 @@ TEST_P(TileProduct, MatchesDoubleLoops) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, TileProduct,
+INSTANTIATE_LEVEL_SUITE_P(Shapes, LEVEL_SUITE(TileProduct),
                          ::testing::Values(Dims{1, 1, 1}, Dims{1, 2048, 64}, Dims{8, 32, 64}, Dims{13, 61, 17},
                                            Dims{64, 256, 64}, Dims{7, 48, 128}, Dims{12, 5, 3}, Dims{64, 64, 256},
                                            Dims{3, 100, 1}, Dims{130, 300, 64}, Dims{5, 37, 70}, Dims{4, 16, 16}),
@@ -88,7 +109,8 @@ INSTANTIATE_TEST_SUITE_P(Shapes, TileProduct,
                                   std::to_string(info.param.K);
                          });
 
-TEST(Transpose, MovesEveryElement) {
+TEST(LEVEL_SUITE(Transpose), MovesEveryElement) {
+  SKIP_UNLESS_LEVEL_RUNS();
   // Whole 16 x 16 register blocks, right and bottom edges, one-row and one-column sources, and
   // leading dimensions wider than the data on both sides (the padding must stay untouched).
   std::mt19937_64 rng(5);
@@ -105,7 +127,8 @@ TEST(Transpose, MovesEveryElement) {
   }
 }
 
-TEST(SoftmaxRow, MatchesDoubleSoftmax) {
+TEST(LEVEL_SUITE(SoftmaxRow), MatchesDoubleSoftmax) {
+  SKIP_UNLESS_LEVEL_RUNS();
   std::mt19937_64 rng(7);
   const float inf = std::numeric_limits<float>::infinity();
   for (int64_t n : {1, 5, 15, 16, 17, 31, 64, 100, 257}) {
@@ -132,7 +155,8 @@ TEST(SoftmaxRow, MatchesDoubleSoftmax) {
   }
 }
 
-TEST(SoftmaxRow, FullyMaskedRowIsZero) {
+TEST(LEVEL_SUITE(SoftmaxRow), FullyMaskedRowIsZero) {
+  SKIP_UNLESS_LEVEL_RUNS();
   const float inf = std::numeric_limits<float>::infinity();
   for (int64_t n : {1, 16, 19}) {
     std::vector<float> x(n, -inf);
@@ -141,7 +165,8 @@ TEST(SoftmaxRow, FullyMaskedRowIsZero) {
   }
 }
 
-TEST(DotRow, MatchesDoubleLoop) {
+TEST(LEVEL_SUITE(DotRow), MatchesDoubleLoop) {
+  SKIP_UNLESS_LEVEL_RUNS();
   std::mt19937_64 rng(11);
   for (int64_t n : {0, 1, 15, 16, 33, 300}) {
     const std::vector<float> a = random_floats(rng, n), b = random_floats(rng, n);
@@ -154,7 +179,8 @@ TEST(DotRow, MatchesDoubleLoop) {
   }
 }
 
-TEST(HalfRows, VectorConversionMatchesScalar) {
+TEST(LEVEL_SUITE(HalfRows), VectorConversionMatchesScalar) {
+  SKIP_UNLESS_LEVEL_RUNS();
   // Every fp16 bit pattern to fp32 (the row is not a multiple of 8 long: the tail is scalar).
   std::vector<uint16_t> halves(65536 + 5);
   for (size_t i = 0; i < halves.size(); ++i) halves[i] = static_cast<uint16_t>(i);
@@ -184,4 +210,4 @@ TEST(HalfRows, VectorConversionMatchesScalar) {
 }
 
 }  // namespace
-}  // namespace sdpa_math::cpu
+}  // namespace sdpa_math::cpu::SDPA_MATH_CPU_ISA

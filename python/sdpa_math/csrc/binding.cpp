@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <limits>
 #include <optional>
+#include <string>
 #include <tuple>
 
 #include "sdpa_math/attention.h"
@@ -213,9 +214,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_kernel(
   });
 }
 
+// The level of the CPU kernels (src/cpu/isa.h): which copy runs, which this build and CPU have.
+std::string cpu_isa() { return checked([] { return std::string(sdpa_math::cpu_isa()); }); }
+std::string cpu_isas_available() { return sdpa_math::cpu_isas_available(); }
+void set_cpu_isa(const std::string& level) {
+  checked([&] { sdpa_math::set_cpu_isa(level); });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(sdpa_math, m) {
+  m.def("cpu_isa() -> str", &cpu_isa);
+  m.def("cpu_isas_available() -> str", &cpu_isas_available);
+  m.def("set_cpu_isa(str level) -> ()", &set_cpu_isa);
   m.def(
       "forward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, float dropout_p, bool is_causal, "
       "Tensor? dropout_mask, float? scale, bool enable_gqa, int seed, int offset) "
