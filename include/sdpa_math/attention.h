@@ -1,6 +1,6 @@
 // The sdpa_math entry points: attention forward returning the output O, the probability map P
 // and the row log-sum-exp, and the backward through both O and P.
-// Semantics: shared/docs/contract.md (the contract of aten::_scaled_dot_product_attention_math).
+// Semantics: docs/contract.md (the contract of aten::_scaled_dot_product_attention_math).
 #pragma once
 
 #include <cstddef>
@@ -61,7 +61,8 @@ struct BackwardArgs {
   TensorView logsumexp; // what the forward returned
   // The forward's O and P, optional. With them the CUDA backend takes rowsum(A . dA) as
   // rowsum(dO . O) + rowsum(P . dP) from memory, and, without dropout, A as P itself instead of
-  // recomputing Q K^T. The CPU backends recompute and ignore them.
+  // recomputing Q K^T. The CPU backend takes A as the saved P likewise (without dropout) and
+  // ignores O; the reference recomputes everything.
   std::optional<TensorView> output;
   std::optional<TensorView> attn_probs;
   std::optional<TensorView> grad_output;  // dL/dO, shape of O; absent = zero

@@ -81,7 +81,7 @@ class Shape:
         return [b * self.S // (2 * self.B) for b in range(self.B)]
 
 
-# The seven anchor shapes of shared/docs/design.md (GPU).
+# The seven anchor shapes of docs/design.md (GPU).
 ANCHORS = [
     Shape("prefill1k_d64", 4, 16, 16, 1024, 1024, 64),
     Shape("prefill1k_d128", 4, 16, 16, 1024, 1024, 128),

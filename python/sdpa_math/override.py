@@ -2,7 +2,7 @@
 
 The aten op is CompositeImplicitAutograd. A kernel on the backend key (CPU) takes calls where no
 input requires grad; with grad, the Autograd<Backend> key needs its own kernel, so both are
-registered (shared/docs/design.md, "Override mechanics"). The torch.library.Library object holds
+registered (docs/design.md, "Override mechanics"). The torch.library.Library object holds
 the registrations: it is kept here for as long as the override is on (a dropped handle would
 silently unregister it).
 

@@ -1,4 +1,4 @@
-"""The semantics probe: re-checks every *observed* line of shared/docs/contract.md against the
+"""The semantics probe: re-checks every *observed* line of docs/contract.md against the
 installed PyTorch and prints a table. It is the evidence for sdpa_math's semantics and an early
 warning when PyTorch changes. Exit status 1 when an observation no longer holds.
 

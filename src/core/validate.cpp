@@ -1,4 +1,4 @@
-// Validation of an attention call: every error of shared/docs/contract.md, raised here and
+// Validation of an attention call: every error of docs/contract.md, raised here and
 // nowhere else, before any backend touches an output. The wording follows PyTorch's where it has
 // one, so users of the binding see familiar messages.
 #include <cmath>
