@@ -34,7 +34,7 @@ else
     echo "exported C++ runtime symbols: $(nm -D --defined-only "$so" | awk '{print $NF}' | grep -cE '^(__cxa_|_ZSt|_ZNSt|_ZNKSt|_ZNSo)')"; } \
     | tee "$OUT/build-check.txt"
 fi
-python3 -c "import torch, sdpa_math; print('sdpa_math from', sdpa_math.__file__); assert torch._C._dispatch_has_kernel_for_dispatch_key('sdpa_math::forward', 'CUDA')"
+python3 -c "import torch, sdpa_math; print('sdpa_math from', sdpa_math.__file__); assert torch.ops.sdpa_math.built_with_cuda()"
 
 for stage in $stages; do
   case $stage in

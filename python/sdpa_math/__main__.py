@@ -18,9 +18,14 @@ def info(argv):
 
     import sdpa_math
 
-    has_cuda = torch._C._dispatch_has_kernel_for_dispatch_key("sdpa_math::forward", "CUDA")
+    from ._ops import build_info
+
+    has_cuda = torch.ops.sdpa_math.built_with_cuda()
+    built = build_info()
     print(f"sdpa_math {sdpa_math.__version__} from {sdpa_math.__file__}")
-    print(f"torch {torch.__version__} (CUDA {torch.version.cuda})")
+    print(f"torch {torch.__version__} (CUDA {torch.version.cuda}); built for torch {built.get('TORCH_VERSION', '?')}")
+    if has_cuda:
+        print(f"CUDA toolkit {built.get('CUDA_TOOLKIT', '?')}, architectures {built.get('CUDA_ARCHITECTURES', '?')}")
     print(f"CPU kernels: {sdpa_math.cpu_isa()} (this build and CPU have: {', '.join(sdpa_math.cpu_isas_available())}); "
           f"CUDA kernels: {'yes' if has_cuda else 'no (built without nvcc)'}")
     if has_cuda and torch.cuda.is_available():

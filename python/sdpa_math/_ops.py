@@ -8,9 +8,40 @@ import pathlib
 import torch
 
 _LIB = pathlib.Path(__file__).with_name("_C.so")
+_REBUILD = "rebuild it against this one: `pip install --no-build-isolation .` in the sdpa_math source"
+
+
+def build_info() -> dict[str, str]:
+    """What the installed extension was built for (the build writes _build_info.py): TORCH_VERSION,
+    CUDA_TOOLKIT ("" without CUDA), CUDA_ARCHITECTURES, CPU_LEVELS. Empty where no build wrote it."""
+    try:
+        from . import _build_info
+    except ImportError:
+        return {}
+    return {k: v for k, v in vars(_build_info).items() if k.isupper()}
+
+
+def _release(version: str) -> tuple[str, ...]:
+    """(major, minor) of a PyTorch version: the C++ ABI an extension links against changes between
+    them; "2.11.0+cu130" -> ("2", "11")."""
+    return tuple(version.split("+")[0].split(".")[:2])
+
+
+def _check_built_for(running: str) -> None:
+    built = build_info().get("TORCH_VERSION")
+    if built and _release(built) != _release(running):
+        raise ImportError(f"sdpa_math was built for PyTorch {built}, but PyTorch {running} is installed; {_REBUILD}")
+
+
 if not _LIB.exists():  # pragma: no cover - a broken install
-    raise ImportError(f"sdpa_math: the compiled extension {_LIB} is missing; reinstall with `pip install .`")
-torch.ops.load_library(str(_LIB))
+    raise ImportError(f"sdpa_math: the compiled extension {_LIB} is missing; reinstall with "
+                      "`pip install --no-build-isolation .`")
+_check_built_for(torch.__version__)
+try:
+    torch.ops.load_library(str(_LIB))
+except OSError as e:  # e.g. an undefined symbol: another PyTorch build than the one compiled against
+    raise ImportError(f"sdpa_math: cannot load {_LIB} (built for PyTorch {build_info().get('TORCH_VERSION', '?')}, "
+                      f"running {torch.__version__}): {e}; {_REBUILD}") from e
 
 ops = torch.ops.sdpa_math
 

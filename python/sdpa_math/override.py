@@ -25,7 +25,7 @@ _OP = "_scaled_dot_product_attention_math"
 def _keys() -> tuple[str, ...]:
     """The dispatch keys to take over: CPU always, CUDA where this build has CUDA kernels."""
     keys = ["CPU", "AutogradCPU"]
-    if torch._C._dispatch_has_kernel_for_dispatch_key("sdpa_math::forward", "CUDA"):
+    if torch.ops.sdpa_math.built_with_cuda():
         keys += ["CUDA", "AutogradCUDA"]
     return tuple(keys)
 

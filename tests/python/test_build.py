@@ -6,6 +6,7 @@ PyTorch had loaded the shared one, and the process died on the first formatted e
 These tests fail on such a build: it may link the shared runtime, or keep a static copy local,
 but must not export one, and a validation error must reach Python as an exception.
 """
+import os
 import pathlib
 import re
 import shutil
@@ -70,3 +71,65 @@ def test_installed_version_is_the_packages_one():
     except importlib.metadata.PackageNotFoundError:
         pytest.skip("sdpa_math imported from a source tree, not an installed build")
     assert installed == sdpa_math.__version__
+
+
+def test_import_refuses_another_pytorch_release():
+    """The extension is compiled against one PyTorch's C++ ABI; another release at run time is one
+    clear error naming both, before the library is loaded (where it would be an undefined symbol
+    or worse)."""
+    from sdpa_math._ops import build_info
+
+    built = build_info().get("TORCH_VERSION")
+    if not built:
+        pytest.skip("no build information: sdpa_math imported from a source tree")
+    code = "import torch\ntorch.__version__ = '1.0.0'\nimport sdpa_math\n"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0
+    assert f"sdpa_math was built for PyTorch {built}, but PyTorch 1.0.0 is installed" in run.stderr, run.stderr[-2000:]
+    assert "pip install --no-build-isolation ." in run.stderr
+
+
+def test_info_shows_what_the_build_contains():
+    from sdpa_math._ops import build_info
+
+    run = subprocess.run([sys.executable, "-m", "sdpa_math", "info"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert f"CPU kernels: {sdpa_math.cpu_isa()} (this build and CPU have: {', '.join(sdpa_math.cpu_isas_available())})" \
+        in run.stdout, run.stdout
+    built = build_info()
+    if built:
+        assert f"built for torch {built['TORCH_VERSION']}" in run.stdout, run.stdout
+        if built["CUDA_TOOLKIT"]:
+            assert f"architectures {built['CUDA_ARCHITECTURES']}" in run.stdout, run.stdout
+
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _configure(build_dir, *defines):
+    """Configures the extension's build with a PATH that has no nvcc (a machine without the CUDA
+    toolkit), the test's own Python and its PyTorch."""
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDACXX", "CUDA_PATH", "CUDAToolkit_ROOT")}
+    env["PATH"] = "/usr/bin:/bin"
+    return subprocess.run(["cmake", "-S", str(REPO), "-B", str(build_dir), "-DSDPA_MATH_BUILD_TORCH=ON",
+                           "-DSDPA_MATH_BUILD_TESTS=OFF", "-DSDPA_MATH_BUILD_TOOLS=OFF",
+                           f"-DPython3_EXECUTABLE={sys.executable}", *defines],
+                          capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_cuda_pytorch_without_nvcc_is_a_build_error_with_the_fix(tmp_path):
+    if torch.version.cuda is None:
+        pytest.skip("a CPU-only PyTorch: a CPU-only build is what it needs")
+    if shutil.which("cmake", path="/usr/bin:/bin") is None or shutil.which("nvcc", path="/usr/bin:/bin"):
+        pytest.skip("needs cmake, and no nvcc, in /usr/bin:/bin")
+    if not (REPO / "CMakeLists.txt").exists():
+        pytest.skip("not in a source checkout")
+    failed = _configure(tmp_path / "default")
+    assert failed.returncode != 0
+    text = " ".join((failed.stdout + failed.stderr).split())
+    assert f"is built with CUDA {torch.version.cuda}, but no CUDA compiler was found" in text, text[-3000:]
+    assert "-C cmake.define.SDPA_MATH_CUDA=OFF" in text
+    # The CPU-only opt-in the message names configures.
+    cpu_only = _configure(tmp_path / "cpu", "-DSDPA_MATH_CUDA=OFF")
+    assert cpu_only.returncode == 0, (cpu_only.stdout + cpu_only.stderr)[-3000:]
+    assert "sdpa_math CUDA backend: OFF" in cpu_only.stdout

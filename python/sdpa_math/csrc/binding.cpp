@@ -223,7 +223,16 @@ void set_cpu_isa(const std::string& level) {
 
 }  // namespace
 
+bool built_with_cuda() {
+#ifdef SDPA_MATH_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
 TORCH_LIBRARY(sdpa_math, m) {
+  m.def("built_with_cuda() -> bool", &built_with_cuda);
   m.def("cpu_isa() -> str", &cpu_isa);
   m.def("cpu_isas_available() -> str", &cpu_isas_available);
   m.def("set_cpu_isa(str level) -> ()", &set_cpu_isa);
@@ -247,5 +256,16 @@ TORCH_LIBRARY_IMPL(sdpa_math, CPU, m) {
 TORCH_LIBRARY_IMPL(sdpa_math, CUDA, m) {
   m.impl("forward", &forward_kernel);
   m.impl("backward", &backward_kernel);
+}
+#else
+// A build without a CUDA compiler: CUDA tensors get this instead of the dispatcher's "could not
+// run ... with arguments from the 'CUDA' backend".
+void cuda_not_built(const c10::OperatorHandle& op, torch::jit::Stack*) {
+  TORCH_CHECK(false, op.schema().name(), ": this build of sdpa_math has no CUDA kernels (it was built without a CUDA ",
+              "compiler). Reinstall it with the CUDA toolkit's nvcc on PATH: pip install --no-build-isolation .");
+}
+TORCH_LIBRARY_IMPL(sdpa_math, CUDA, m) {
+  m.impl("forward", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
+  m.impl("backward", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
 }
 #endif
