@@ -304,6 +304,20 @@ __global__ void __launch_bounds__(kThreads) backward_tc(DevProblem p, BackwardBu
     }
 }
 
+// Dynamic shared memory of a CTA: K, V (BN rows), Q, dO (kBM rows), P, dP (kBM x BN) and the
+// transposed W, dS tiles (BN x kBM), rows padded by 8 elements.
+template <typename T, int DT, int BN>
+constexpr size_t backward_smem_bytes() {
+  return sizeof(T) * (2 * BN * (DT + 8) + 2 * kBM * (DT + 8) + 2 * kBM * (BN + 8) + 2 * BN * (kBM + 8));
+}
+
+// Whether a key block of BN keys for head tile DT fits the device's shared memory. The narrower
+// blocks (128: 32 keys, 256: 16 keys) are for 99 KB GPUs (RTX 30/40, L4, L40S).
+template <typename T, int DT, int BN>
+bool key_block_fits() {
+  return backward_smem_bytes<T, DT, BN>() <= smem_optin_limit();
+}
+
 template <typename T, int DT, int BN>
 void launch_backward(const DevProblem& p, const BackwardBuffers<float>& g, const BackwardFlags& f, bool general,
                      cudaStream_t stream) {
@@ -311,7 +325,7 @@ void launch_backward(const DevProblem& p, const BackwardBuffers<float>& g, const
   const int64_t blocks = key_blocks * p.num_lead;
   if (blocks == 0) return;
   if (blocks > 2147483647LL) throw Error(ErrorCode::CudaFailure, "too many key blocks for one CUDA launch");
-  const size_t smem = sizeof(T) * (2 * BN * (DT + 8) + 2 * kBM * (DT + 8) + 2 * kBM * (BN + 8) + 2 * BN * (kBM + 8));
+  const size_t smem = backward_smem_bytes<T, DT, BN>();
   if (general) {
     set_smem_limit(reinterpret_cast<const void*>(&backward_tc<T, DT, BN, true>), smem);
     backward_tc<T, DT, BN, true><<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p, g, f, key_blocks);
@@ -337,15 +351,24 @@ void backward_for(const DevProblem& p, const BackwardBuffers<float>& g, cudaStre
   f.a_from_probs = p.probs.data != nullptr && p.dropout == Dropout::None;
   const bool general = p.mask.data != nullptr || p.dropout != Dropout::None || !f.a_from_probs;
   if (head <= 64) launch_backward<T, 64, 64>(p, g, f, general, stream);
-  else if (head <= 128) launch_backward<T, 128, 64>(p, g, f, general, stream);
-  else launch_backward<T, 256, 32>(p, g, f, general, stream);
+  else if (head <= 128 && key_block_fits<T, 128, 64>()) launch_backward<T, 128, 64>(p, g, f, general, stream);
+  else if (head <= 128) launch_backward<T, 128, 32>(p, g, f, general, stream);
+  else if (key_block_fits<T, 256, 32>()) launch_backward<T, 256, 32>(p, g, f, general, stream);
+  else launch_backward<T, 256, 16>(p, g, f, general, stream);
 }
 
 }  // namespace
 
 bool tensor_core_backward_applies(const DevProblem& p) {
-  if ((p.E > p.Ev ? p.E : p.Ev) > kTensorCoreMaxHead || p.E == 0) return false;
+  const int64_t head = p.E > p.Ev ? p.E : p.Ev;
+  if (head > kTensorCoreMaxHead || p.E == 0) return false;
   if (p.q.dtype != DType::Float16 && p.q.dtype != DType::BFloat16) return false;
+  // The narrowest key block of the head tile must fit the device's shared memory (fp16 and bf16
+  // alike), unless the decode kernel (little shared memory) takes the problem.
+  const bool fits = head <= 64    ? key_block_fits<__half, 64, 64>()
+                    : head <= 128 ? key_block_fits<__half, 128, 32>()
+                                  : key_block_fits<__half, 256, 16>();
+  if (!fits && !decode_backward_applies(p)) return false;
   // dO, P and dP are read as tiles of the inputs' dtype.
   if (p.grad_out.data && p.grad_out.dtype != p.q.dtype) return false;
   if (p.grad_probs.data && p.grad_probs.dtype != p.q.dtype) return false;

@@ -294,12 +294,16 @@ __global__ void __launch_bounds__(kThreads) forward_tc(DevProblem p, ForwardFlag
   }
 }
 
+// Dynamic shared memory of a CTA: the Q tile and two stages of K and V tiles.
+template <typename T, int DT, int BN>
+constexpr size_t forward_smem_bytes() { return sizeof(T) * (kBM + 4 * BN) * (DT + 8); }
+
 template <typename T, int DT, int BN>
 void launch_forward(const DevProblem& p, const ForwardFlags& f, bool general, cudaStream_t stream) {
   const int64_t tiles = (p.L + kBM - 1) / kBM;
   const int64_t blocks = tiles * p.num_lead;
   if (blocks > 2147483647LL) throw Error(ErrorCode::CudaFailure, "too many query tiles for one CUDA launch");
-  const size_t smem = sizeof(T) * (kBM + 4 * BN) * (DT + 8);
+  const size_t smem = forward_smem_bytes<T, DT, BN>();
   if (general) {
     set_smem_limit(reinterpret_cast<const void*>(&forward_tc<T, DT, BN, true>), smem);
     forward_tc<T, DT, BN, true><<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p, f, tiles);
@@ -308,6 +312,18 @@ void launch_forward(const DevProblem& p, const ForwardFlags& f, bool general, cu
     forward_tc<T, DT, BN, false><<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p, f, tiles);
   }
   check_launch("tensor-core forward");
+}
+
+// The first key-tile width BN, from the widest, whose tiles fit the device's shared memory (with
+// the kernel's static nan_row); false when none does, and a later path takes the problem.
+template <typename T, int DT, int BN, int... Narrower>
+bool launch_fitting(const DevProblem& p, const ForwardFlags& f, bool general, cudaStream_t stream) {
+  if (forward_smem_bytes<T, DT, BN>() + kBM * sizeof(bool) <= smem_optin_limit()) {
+    launch_forward<T, DT, BN>(p, f, general, stream);
+    return true;
+  }
+  if constexpr (sizeof...(Narrower) > 0) return launch_fitting<T, DT, Narrower...>(p, f, general, stream);
+  return false;
 }
 
 template <typename T>
@@ -321,10 +337,9 @@ bool forward_for(const DevProblem& p, cudaStream_t stream) {
   f.p_pair = same && rows_vectorizable(p.probs, p.lead_ndim, p.S, 2, 2);
   f.p_vec8 = same && rows_vectorizable(p.probs, p.lead_ndim, p.S, 2, 8);
   const bool general = p.mask.data != nullptr || p.dropout != Dropout::None || !f.p_pair;
-  if (head <= 64) launch_forward<T, 64, 64>(p, f, general, stream);
-  else if (head <= 128) launch_forward<T, 128, 64>(p, f, general, stream);
-  else launch_forward<T, 256, 32>(p, f, general, stream);
-  return true;
+  if (head <= 64) return launch_fitting<T, 64, 64>(p, f, general, stream);
+  if (head <= 128) return launch_fitting<T, 128, 64>(p, f, general, stream);
+  return launch_fitting<T, 256, 32, 16>(p, f, general, stream);  // 16 keys: 99 KB GPUs (RTX 30/40, L4)
 }
 
 }  // namespace

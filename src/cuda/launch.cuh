@@ -3,6 +3,8 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <cstdlib>
 #include <string>
 
 #include "sdpa_math/error.h"
@@ -16,6 +18,28 @@ inline void check_cuda(cudaError_t err, const char* what) {
 
 inline void check_launch(const char* kernel) {
   check_cuda(cudaGetLastError(), (std::string("launching the ") + kernel + " kernel").c_str());
+}
+
+// The most shared memory one block of the current device may have (dynamic, after opting in):
+// 227 KB on Hopper, 163 KB on A100, 99 KB on RTX 30/40, L4 and L40S. The launchers pick tiles
+// that fit it. SDPA_MATH_SMEM_LIMIT (bytes) lowers it, to run a smaller GPU's tile choices on a
+// bigger one (tests/python/test_cuda.py).
+inline size_t smem_optin_limit() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cached[kMaxDevices] = {};  // 0: not read yet
+  static const long long lowered = [] {
+    const char* env = std::getenv("SDPA_MATH_SMEM_LIMIT");
+    return env && *env ? std::atoll(env) : 0LL;
+  }();
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "reading the current device");
+  int bytes = device < kMaxDevices ? cached[device].load(std::memory_order_relaxed) : 0;
+  if (bytes == 0) {
+    check_cuda(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+               "reading the shared-memory limit");
+    if (device < kMaxDevices) cached[device].store(bytes, std::memory_order_relaxed);
+  }
+  return lowered > 0 && lowered < bytes ? static_cast<size_t>(lowered) : static_cast<size_t>(bytes);
 }
 
 // Kernels using more than 48 KB of dynamic shared memory must opt in.
