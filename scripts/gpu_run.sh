@@ -2,7 +2,7 @@
 # One call on the GPU machine does the whole job: check the machine, build the package there the
 # way a user does (pip with that machine's own compilers), check the build, run the GPU tests,
 # run a subset under compute-sanitizer, and benchmark. Raw results go under $OUT.
-#   bash scripts/gpu_run.sh [tests] [sanitize] [bench] [bench-full] [model] [demo] [profile]
+#   bash scripts/gpu_run.sh [tests] [sanitize] [cpu-only] [bench] [bench-full] [model] [demo] [profile]
 # SDPA_MATH_PYTEST_ARGS: what the tests stage runs (default tests/python). SDPA_MATH_GPU_ARCHS: the CUDA architectures to build (default 90a-real: the H200; a user's plain
 # `pip install .` builds the CMake default list). SDPA_MATH_CARRIED=1 uses a build carried from the
 # build machine at python/sdpa_math/_C.so instead (a second configuration, not the one users run).
@@ -49,6 +49,17 @@ for stage in $stages; do
       log "compute-sanitizer memcheck over ${SDPA_MATH_FUZZ_PROBLEMS:=25} fuzz problems"
       SDPA_MATH_FUZZ_PROBLEMS=$SDPA_MATH_FUZZ_PROBLEMS compute-sanitizer --tool memcheck --print-limit 20 \
         python3 -m pytest -q -s -p no:cacheprovider tests/python/test_fuzz.py -k cuda 2>&1 | tail -15 | tee "$OUT/sanitizer-fuzz-memcheck.log" ;;
+    cpu-only)
+      # A build without CUDA on purpose: CUDA tensors must get sdpa_math's own error.
+      log "CPU-only build (SDPA_MATH_CUDA=OFF) and its tests"
+      rm -rf /tmp/site-cpu
+      if CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install --no-build-isolation --no-deps --no-index --target /tmp/site-cpu \
+          -C build-dir=build/cpu-only -C cmake.define.SDPA_MATH_CUDA=OFF . > "$OUT/build-cpu-only.log" 2>&1; then
+        PYTHONPATH=/tmp/site-cpu python3 -m pytest -q -p no:cacheprovider tests/python/test_build.py -k "cpu_only or exports or links" \
+          2>&1 | tee "$OUT/pytest-cpu-only.log" | tail -5
+      else
+        tail -20 "$OUT/build-cpu-only.log"
+      fi ;;
     bench)
       log "benchmark: anchor shapes and input variants, fp16 and bf16"
       python3 -m sdpa_math.bench run --device cuda --set anchors+variants --dtypes float16 bfloat16 --out "$OUT" 2>&1 | tail -40 ;;

@@ -133,3 +133,13 @@ def test_cuda_pytorch_without_nvcc_is_a_build_error_with_the_fix(tmp_path):
     cpu_only = _configure(tmp_path / "cpu", "-DSDPA_MATH_CUDA=OFF")
     assert cpu_only.returncode == 0, (cpu_only.stdout + cpu_only.stderr)[-3000:]
     assert "sdpa_math CUDA backend: OFF" in cpu_only.stdout
+
+
+@pytest.mark.skipif(torch.ops.sdpa_math.built_with_cuda() or not torch.cuda.is_available(),
+                    reason="needs a CPU-only build of sdpa_math on a machine with a GPU")
+def test_cpu_only_build_answers_cuda_tensors_clearly():
+    x = torch.randn(1, 2, 3, 8, device="cuda")
+    with pytest.raises(RuntimeError, match="this build of sdpa_math has no CUDA kernels"):
+        sdpa_math.attention(x, x, x)
+    out, probs = sdpa_math.attention(x.cpu(), x.cpu(), x.cpu())  # the CPU still runs
+    assert torch.allclose(probs.sum(-1), torch.ones(1, 2, 3))
