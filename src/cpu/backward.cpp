@@ -19,6 +19,7 @@
 #include "../core/element.h"
 #include "gemm.h"
 #include "kernels.h"
+#include "parallel.h"
 #include "rows.h"
 #include "simd.h"
 
@@ -142,23 +143,27 @@ void backward(const core::Problem& p, const BackwardArgs& args, const BackwardOu
   // The mask is usually broadcast over heads: each thread sums its dMask privately.
   std::vector<std::vector<float>> gmask(want_mask ? nthreads : 0);
 
+  FirstError errors;  // an exception (say, no memory for the scratch rows) reaches the caller
 #pragma omp parallel num_threads(nthreads)
   {
     float* gm_thread = nullptr;
-    if (want_mask) {
-      std::vector<float>& mine = gmask[omp_get_thread_num()];
-      mine.assign(p.attn_mask.own_shape.numel(), 0.0f);
-      gm_thread = mine.data();
-    }
-    gq.zero_in_parallel();
+    HeadPack pack;
+    std::vector<float> q, dout, A, dA, W, tmp, keep, dp, dq_block;
+    std::vector<float> dk, dv;  // a head's dK, dV: summed here unless the task writes an fp32 output
+    errors.run([&] {
+      if (want_mask) {
+        std::vector<float>& mine = gmask[omp_get_thread_num()];
+        mine.assign(p.attn_mask.own_shape.numel(), 0.0f);
+        gm_thread = mine.data();
+      }
+      q.resize(block * E), dout.resize(block * Ev), A.resize(block * S), dA.resize(block * S), W.resize(block * S);
+      tmp.resize(S), keep.resize(S), dp.resize(S), dq_block.resize(block * E);
+      dk.resize(gk.wanted() && !(k_rows_owned && gk.data) ? S * E : 0);
+      dv.resize(gv.wanted() && !(v_rows_owned && gv.data) ? S * Ev : 0);
+    });
+    gq.zero_in_parallel();  // every thread, failed or not: these share the region's work
     gk.zero_in_parallel();
     gv.zero_in_parallel();
-    HeadPack pack;
-    std::vector<float> q(block * E), dout(block * Ev), A(block * S), dA(block * S), W(block * S);
-    std::vector<float> tmp(S), keep(S), dp(S), dq_block(block * E);
-    // A head's dK, dV: summed here unless the task writes straight into an fp32 output.
-    std::vector<float> dk(gk.wanted() && !(k_rows_owned && gk.data) ? S * E : 0);
-    std::vector<float> dv(gv.wanted() && !(v_rows_owned && gv.data) ? S * Ev : 0);
     int64_t acc_lead = -1;  // the head whose dK, dV sit in dk, dv
     auto flush = [&]() {
       if (acc_lead < 0) return;
@@ -176,7 +181,7 @@ void backward(const core::Problem& p, const BackwardArgs& args, const BackwardOu
     };
 
 #pragma omp for schedule(dynamic, chunk)
-    for (int64_t t = 0; t < tasks; ++t) {
+    for (int64_t t = 0; t < tasks; ++t) errors.run([&] {
       const int64_t lead = t / blocks_per_head, i0 = (t % blocks_per_head) * block;
       const int64_t rows = std::min(block, p.L - i0);
       if (lead != acc_lead) {
@@ -293,10 +298,11 @@ void backward(const core::Problem& p, const BackwardArgs& args, const BackwardOu
       };
       if (gk.wanted()) key_side(gk, k_rows_owned, dk, p.key, E, scale, dA.data(), S, q.data());
       if (gv.wanted() && has_dO) key_side(gv, v_rows_owned, dv, p.value, Ev, 1.0f, weights, weights_ld, dout.data());
-    }
-    flush();
+    });
+    errors.run(flush);
     streaming_fence();  // the outright dK, dV, dQ stores, before the threads join
   }
+  errors.rethrow();
 
   gq.finish();
   gk.finish();

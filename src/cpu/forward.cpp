@@ -10,6 +10,7 @@
 
 #include "gemm.h"
 #include "kernels.h"
+#include "parallel.h"
 #include "rows.h"
 #include "simd.h"
 
@@ -38,12 +39,16 @@ void forward(const core::Problem& p, const ForwardOutputs& out) {
 
   const int nthreads = threads_for(tasks);
   const int64_t chunk = task_chunk(p.num_lead, blocks_per_head, nthreads);
+  FirstError errors;  // an exception (say, no memory for the scratch rows) reaches the caller
 #pragma omp parallel num_threads(nthreads)
   {
     HeadPack pack;
-    std::vector<float> q(block * E), scores(block * S), o(block * Ev), tmp(S), keep(S);
+    std::vector<float> q, scores, o, tmp, keep;
+    errors.run([&] {
+      q.resize(block * E), scores.resize(block * S), o.resize(block * Ev), tmp.resize(S), keep.resize(S);
+    });
 #pragma omp for schedule(dynamic, chunk)
-    for (int64_t t = 0; t < tasks; ++t) {
+    for (int64_t t = 0; t < tasks; ++t) errors.run([&] {
       const int64_t lead = t / blocks_per_head, i0 = (t % blocks_per_head) * block;
       const int64_t rows = std::min(block, p.L - i0);
       pack.pack(p, lead, blocks_per_head > 1);
@@ -80,8 +85,9 @@ void forward(const core::Problem& p, const ForwardOutputs& out) {
       for (int64_t r = 0; r < rows; ++r)
         store_row(O.dtype, o_data, o_at + (i0 + r) * O.row_stride, O.col_stride, Ev, o.data() + r * Ev);
       streaming_fence();
-    }
+    });
   }
+  errors.rethrow();
 }
 
 SDPA_MATH_CPU_END

@@ -13,6 +13,7 @@
 #include <array>
 #include <cstdlib>
 #include <limits>
+#include <new>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -83,13 +84,17 @@ sdpa_math::ForwardArgs forward_args(const at::Tensor& q, const at::Tensor& k, co
 }
 
 // The core reports bad input as sdpa_math::Error before writing anything; PyTorch users get it
-// as a RuntimeError with the same message.
+// as a RuntimeError with the same message. The CPU kernels' own scratch memory running out is a
+// RuntimeError too, as PyTorch's CPU allocator reports it (on CUDA, scratch comes from PyTorch's
+// caching allocator, whose torch.OutOfMemoryError passes through unchanged).
 template <class Fn>
 auto checked(Fn&& fn) -> decltype(fn()) {
   try {
     return fn();
   } catch (const sdpa_math::Error& e) {
     TORCH_CHECK(false, e.what());
+  } catch (const std::bad_alloc&) {
+    TORCH_CHECK(false, "sdpa_math: can't allocate memory for the CPU kernels' scratch rows (std::bad_alloc)");
   }
 }
 
