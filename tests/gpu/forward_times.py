@@ -2,7 +2,9 @@
 line per shape: for comparing kernel versions in one GPU call (run once with SDPA_MATH_SM90=0 for
 the mma.sync path). The side-by-side benchmark with the other implementations is sdpa_math.bench.
 
-    python3 tests/gpu/forward_times.py [float16|bfloat16] [--fb]
+    python3 tests/gpu/forward_times.py [float16|bfloat16]
+
+(forward + backward times per kernel: tests/gpu/backward_times.py, tests/gpu/kernel_times.py)
 """
 import sys
 
