@@ -143,3 +143,36 @@ def test_cpu_only_build_answers_cuda_tensors_clearly():
         sdpa_math.attention(x, x, x)
     out, probs = sdpa_math.attention(x.cpu(), x.cpu(), x.cpu())  # the CPU still runs
     assert torch.allclose(probs.sum(-1), torch.ones(1, 2, 3))
+
+
+def test_wheel_route_builds_installs_and_runs(tmp_path):
+    """The wheel route: build a wheel against the installed PyTorch (pip's PEP 517 build, without
+    isolation, as `python -m build --no-isolation` does), install it into an empty target, and run
+    it from there in a fresh process. CPU-only (SDPA_MATH_CUDA=OFF), to keep the build short; the
+    CUDA build is the one every other test here runs."""
+    if not (REPO / "pyproject.toml").exists():
+        pytest.skip("not in a source checkout")
+    if shutil.which("cmake") is None:
+        pytest.skip("no cmake")
+    dist, site = tmp_path / "dist", tmp_path / "site"
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-q", "-w",
+                            str(dist), "-C", f"build-dir={tmp_path / 'build'}", "-C", "cmake.define.SDPA_MATH_CUDA=OFF",
+                            str(REPO)], capture_output=True, text=True, timeout=1800)
+    assert build.returncode == 0, (build.stdout + build.stderr)[-3000:]
+    wheels = list(dist.glob("sdpa_math-*.whl"))
+    assert len(wheels) == 1, wheels
+    install = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site),
+                              str(wheels[0])], capture_output=True, text=True, timeout=600)
+    assert install.returncode == 0, (install.stdout + install.stderr)[-3000:]
+    code = ("import torch, sdpa_math\n"
+            "from sdpa_math._ops import build_info\n"
+            "q = torch.randn(1, 2, 5, 8)\n"
+            "out, probs = sdpa_math.attention(q, q, q)\n"
+            "print(sdpa_math.__file__)\n"
+            "print(build_info()['TORCH_VERSION'], round(float(probs.sum()), 4))\n")
+    env = dict(os.environ, PYTHONPATH=str(site))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    where, built = run.stdout.splitlines()[-2:]
+    assert where.startswith(str(site)), where
+    assert built == f"{torch.__version__} 10.0", built
