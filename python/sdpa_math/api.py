@@ -16,21 +16,30 @@ def _dropout_stream() -> tuple[int, int]:
     return seed, 0
 
 
-def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, dropout_mask=None, *,
-              scale=None, enable_gqa=False):
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+              dropout_p: float = 0.0, is_causal: bool = False, dropout_mask: torch.Tensor | None = None, *,
+              scale: float | None = None, enable_gqa: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (output, attn_probs): O and the normalized probability map P.
 
     query (*batch, Hq, L, E), key (*batch, Hkv, S, E), value (*batch, Hkv, S, Ev). attn_mask is
     bool (True = attend) or float (added to the scores), broadcast to (*batch, Hq, L, S).
+    is_causal: row i attends to keys j <= i (top-left aligned). scale: default 1/sqrt(E).
+    dropout_mask (explicit dropout, any shape broadcasting to P): P = A * M, O = (A * M) V / (1 - p);
+    without it, dropout_p > 0 draws a random mask from PyTorch's default generator's stream.
+    enable_gqa: Hq a multiple of Hkv, query heads share key/value heads in groups.
     Gradients flow through both outputs (and into a float attn_mask that requires grad).
+    The full rules and every error: docs/contract.md.
     """
     output, probs, _ = attention_with_lse(query, key, value, attn_mask, dropout_p, is_causal, dropout_mask,
                                           scale=scale, enable_gqa=enable_gqa)
     return output, probs
 
 
-def attention_with_lse(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, dropout_mask=None, *,
-                       scale=None, enable_gqa=False, seed=None, offset=0):
+def attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
+                       dropout_mask: torch.Tensor | None = None, *, scale: float | None = None,
+                       enable_gqa: bool = False, seed: int | None = None,
+                       offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Like attention(), also returning the row log-sum-exp (float32, float64 for float64
     inputs; -inf on fully masked rows),
     and taking an explicit dropout (seed, offset)."""

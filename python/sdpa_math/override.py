@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Iterator
 
 import torch
 
@@ -96,7 +97,7 @@ def is_enabled() -> bool:
 
 
 @contextlib.contextmanager
-def override():
+def override() -> Iterator[None]:
     """`with sdpa_math.override(): ...` routes the aten op to sdpa_math for the block.
 
     The dispatcher's kernels are process-wide, so the override is too: while the block runs, calls
