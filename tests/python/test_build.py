@@ -176,3 +176,13 @@ def test_wheel_route_builds_installs_and_runs(tmp_path):
     where, built = run.stdout.splitlines()[-2:]
     assert where.startswith(str(site)), where
     assert built == f"{torch.__version__} 10.0", built
+
+
+def test_console_script_runs_info():
+    """The installed console script is the same command line as python -m sdpa_math."""
+    script = pathlib.Path(sys.executable).with_name("sdpa-math")
+    if not script.exists():
+        pytest.skip("sdpa-math is not installed next to this Python (source tree or --target install)")
+    run = subprocess.run([str(script), "info"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert f"sdpa_math {sdpa_math.__version__}" in run.stdout, run.stdout
