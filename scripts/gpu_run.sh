@@ -70,7 +70,7 @@ for stage in $stages; do
       log "model and transformers tests at GPU sizes"
       python3 -m pytest -q -s -p no:cacheprovider tests/python/test_model.py tests/python/test_transformers.py 2>&1 | tee "$OUT/model.log" | tail -40 ;;
     demo)
-      log "demo (TinyLlama layer 0 on the GPU)"
+      log "demo (a tiny model learns an induction head, on the GPU)"
       python3 -m sdpa_math demo --out "$OUT/demo.png" 2>&1 | tee "$OUT/demo.log" | tail -20 ;;
     profile)
       # Where the tensor-core kernels spend their time, for the next performance step.

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The main job: sets up (the cached test environment with PyTorch, scripts/setup_python.sh),
-# builds and installs the package, and runs the demo: sdpa_math on a small model and a built-in
-# input, on the GPU when there is one, else the CPU; it prints errors and times against PyTorch's
-# math op and eager attention, per-head entropy, and where it wrote the heatmaps.
-# Arguments go to the demo (--device, --out).
+# builds and installs the package, and runs the demo: a tiny Llama-style model learns an induction
+# head with an attention-entropy term through P (sdpa_math.attention), on the GPU when there is
+# one, else the CPU; it prints accuracy and entropy before and after, the error of O and P against
+# PyTorch's math op, and where it drew the maps before and after training.
+# Arguments go to the demo (--device, --out, --steps, --seed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

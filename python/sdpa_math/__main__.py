@@ -4,7 +4,7 @@ import sys
 USAGE = """usage: python -m sdpa_math [COMMAND] [ARGS...]
 
 commands:
-  demo    attention maps of a small model's layer, drawn to a PNG (the default)
+  demo    a tiny model learns an induction head; its maps before and after, to a PNG (the default)
   bench   the side-by-side benchmark (run) and the performance gate (gate)
   probe   re-check the contract's observed lines against the installed PyTorch
   info    what this build contains: versions, devices, kernels

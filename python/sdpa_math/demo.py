@@ -1,15 +1,17 @@
 """`python -m sdpa_math demo`: a tiny model learns an induction head in seconds, no downloads.
 
-The task: a sequence of HALF distinct random tokens, then the same tokens again; after the first
-repeated token the model must predict each next token, which it can only do by finding the
-previous occurrence of the current token and copying the token that followed it (an induction
-head). A two-layer TinyLlama (sdpa_math.models) with seeded random weights is trained for a few
-hundred steps, its attention computed by sdpa_math.attention, which returns the probability maps P
-with gradients; the loss is the cross-entropy of the predictable tokens plus a small weight times
-the mean row entropy of the last layer's maps, which sharpens them. Prints the task accuracy, the
-attention entropy and each layer's best head score before and after training, a check that
-sdpa_math's O and P equal PyTorch's math op on the trained model's real queries, keys and values,
-and writes the maps of a few heads before (top row) and after (bottom row) training to a PNG.
+The task: n distinct random tokens, then the same n tokens again; after the first repeated token
+the model must predict each next token, which it can only do by finding the previous occurrence
+of the current token and copying the token that followed it (an induction head, fed by a
+previous-token head in the layer below). n varies between training batches, so attending a fixed
+distance back does not solve it. A two-layer TinyLlama (sdpa_math.models) with seeded random
+weights trains for 1000 steps (10 to 20 s on two CPU cores), every attention computed by
+sdpa_math.attention, which returns the probability maps P with gradients; the loss is the
+cross-entropy of the predictable tokens plus a small weight times the mean row entropy of the
+last layer's maps, which sharpens them. Prints the progress, then before and after training the
+task accuracy, that entropy and the best induction and previous-token head scores; a check that
+sdpa_math's O and P equal PyTorch's math op on the trained model's queries, keys and values; and
+writes the maps of a few heads before (top row) and after (bottom row) training to a PNG.
 """
 from __future__ import annotations
 
@@ -26,10 +28,12 @@ import sdpa_math
 from .models import TinyLlama, TinyLlamaConfig, attention_entropy, rotary_tables
 
 VOCAB = 32           # task tokens
-HALF = 16            # length of the random half; the sequence is 2 * HALF tokens
+HALF = 16            # length of the random half in the evaluation and the picture: 2 * HALF tokens
+HALVES = (8, 16)     # the training batches' half lengths, drawn per step: a varying offset between
+                     # the two occurrences, so that copying from a fixed distance back cannot solve it
 ENTROPY_LAYER = -1   # the layer whose attention entropy is in the loss (the induction layer)
 ENTROPY_WEIGHT = 0.02
-STEPS = 300
+STEPS = 1000
 
 
 def demo_config():
@@ -113,7 +117,7 @@ class Result:
 
 
 def train(device="cpu", steps=STEPS, batch=64, lr=1e-2, entropy_weight=ENTROPY_WEIGHT, seed=0, log=None,
-          log_every=None, halves=(HALF, HALF), cfg=None):
+          log_every=None, halves=HALVES, cfg=None):
     """Trains the demo model on the induction task; returns a Result. log(str) gets progress lines."""
     torch.manual_seed(seed)
     model = TinyLlama(cfg or demo_config()).to(device)
@@ -122,7 +126,7 @@ def train(device="cpu", steps=STEPS, batch=64, lr=1e-2, entropy_weight=ENTROPY_W
     before = evaluate(model, eval_ids, entropy_weight)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * (1 - 0.9 * s / max(1, steps)))
-    log_every = log_every or max(1, steps // 6)
+    log_every = log_every or max(1, steps // 8)
     history = []
     start = time.perf_counter()
     for step in range(steps + 1):
@@ -138,22 +142,18 @@ def train(device="cpu", steps=STEPS, batch=64, lr=1e-2, entropy_weight=ENTROPY_W
             history.append((step, loss.item(), acc, entropy.item()))
             if log:
                 log(f"    step {step:4d}   loss {loss.item():.3f}   accuracy {acc:6.1%}   "
-                    f"layer {_layer_name(model, ENTROPY_LAYER)} entropy {entropy.item():.3f}")
+                    f"layer {ENTROPY_LAYER % len(model.blocks)} entropy {entropy.item():.3f}")
         if step == steps:
             break
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         sched.step()
-    if device == "cuda":
+    if str(device).startswith("cuda"):
         torch.cuda.synchronize()
     train_seconds = time.perf_counter() - start
     after = evaluate(model, eval_ids, entropy_weight)
     return Result(model, eval_ids, before, after, history, train_seconds)
-
-
-def _layer_name(model, layer):
-    return layer % len(model.blocks)
 
 
 def compare_with_math_op(model, ids):
@@ -199,7 +199,7 @@ def draw(res, out):
             ax.set_ylabel("query", fontsize=8)
             ax.tick_params(labelsize=7)
     fig.suptitle(f"attention maps P returned by sdpa_math.attention (square-root colour scale) on "
-                 f"{len(ids) // 2} random tokens, then the same again\n(dotted: where the repeat starts; "
+                 f"{len(ids) // 2} distinct random tokens, then the same again\n(dotted: where the repeat starts; "
                  f"an induction head's query t attends to key t - {HALF - 1}, the token after the "
                  f"previous occurrence)", fontsize=10)
     fig.tight_layout()
@@ -223,13 +223,14 @@ def run(device, out, steps=STEPS, seed=0, log=print):
     """The demo: trains, prints the summary through log, draws the PNG. Returns the Result, the
     errors against the math op (O, P) and the PNG's path (None without matplotlib)."""
     cfg = demo_config()
-    name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
-    log(f"sdpa_math demo · {device} ({name}) · float32 · the induction task: {HALF} distinct random tokens "
-        f"of {VOCAB}, then the same {HALF} again; predict each repeated token after the first")
+    name = torch.cuda.get_device_name(device) if str(device).startswith("cuda") else "CPU"
+    log(f"sdpa_math demo · {device} ({name}) · float32 · the induction task: n distinct random tokens (of "
+        f"{VOCAB}), then the same n again (n = {HALVES[0]}..{HALVES[1]} in training, {HALF} in the evaluation); "
+        f"predict each repeated token after the first")
     log(f"  TinyLlama, {cfg.layers} layers of {cfg.heads} query / {cfg.kv_heads} key-value heads (head dim "
         f"{cfg.head_dim}), attention by sdpa_math.attention; loss = cross-entropy + {ENTROPY_WEIGHT} x mean "
         f"row entropy of layer {cfg.layers - 1}'s maps P")
-    log(f"  training {steps} steps:")
+    log(f"  training {steps} steps of batch 64 (training-batch numbers):")
     res = train(device, steps=steps, seed=seed, log=log)
     b, af = res.before, res.after
     last = cfg.layers - 1
