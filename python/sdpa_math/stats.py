@@ -1,0 +1,218 @@
+"""Statistics of the probability map P without holding all of it (level 2 of issue 16).
+
+attention_stats() runs sdpa_math.attention on chunks of query rows, reduces each chunk's P to
+the statistics asked for, and drops it. With gradients, each chunk runs under
+torch.utils.checkpoint (use_reentrant=False), so the graph keeps the chunk's inputs (views of
+the caller's tensors and two integers) instead of its P, and backward recomputes one chunk's P
+at a time: peak memory is O(chunk_rows * S) per head, and nothing P-sized outlives the forward.
+
+Exact definitions, dtypes and the GQA and visible-queries rules: docs/statistics.md.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from .api import attention
+
+__all__ = ["attention_stats", "default_chunk_rows", "COL_SUM_MODES", "CHUNK_BYTES"]
+
+COL_SUM_MODES = ("per_head", "group_sum", "group_mean")
+CHUNK_BYTES = 64 << 20  # the default chunk's P is at most this many bytes (one row at least)
+
+
+def default_chunk_rows(n_lead: int, S: int, itemsize: int, L: int) -> int:
+    """Rows per chunk so that the chunk's P, n_lead * rows * S * itemsize bytes, is at most
+    CHUNK_BYTES (at least one row, at most L)."""
+    per_row = max(1, n_lead * S * itemsize)
+    return max(1, min(max(L, 1), CHUNK_BYTES // per_row))
+
+
+def _rows_of(t: torch.Tensor | None, i0: int, i1: int) -> torch.Tensor | None:
+    """Rows i0..i1 of a tensor broadcast to (..., L, S): sliced unless its row dim broadcasts."""
+    if t is None or t.dim() < 2 or t.shape[-2] == 1:
+        return t
+    return t[..., i0:i1, :]
+
+
+def _window(rows: slice, L: int) -> tuple[int, int, int]:
+    if not isinstance(rows, slice):
+        raise TypeError(f"attention_stats: rows must be a slice of query rows (e.g. slice(-w, None)), got {type(rows).__name__}")
+    start, stop, step = rows.indices(L)
+    if step < 1:
+        raise ValueError(f"attention_stats: rows must have a positive step, got {step}")
+    return start, max(start, stop), step
+
+
+def _window_in_chunk(win: tuple[int, int, int], i0: int, i1: int) -> slice | None:
+    """The chunk-local slice of the window's rows that fall in [i0, i1), or None."""
+    start, stop, step = win
+    first = start if start >= i0 else start + -(-(i0 - start) // step) * step
+    end = min(stop, i1)
+    if first >= end:
+        return None
+    return slice(first - i0, end - i0, step)
+
+
+def attention_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False, *,
+                    scale: float | None = None, enable_gqa: bool = False,
+                    col_sum: str | None = None, visible_normalized: bool = False,
+                    row_entropy: bool = False, head_mean: bool = False,
+                    rows: slice | None = None, kl_to: torch.Tensor | None = None,
+                    chunk_rows: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Returns (out, stats): O of sdpa_math.attention and the statistics of P asked for.
+
+    Arguments up to enable_gqa are sdpa_math.attention's (dropout_p must be 0). P is the map
+    attention returns, shape (*lead, L, S) with lead = (*batch, H). stats holds only the keys
+    asked for; "stat dtype" is float64 for float64 inputs and float32 otherwise.
+
+    col_sum: "per_head" -> (*lead, S), sum_i P[..., i, j];
+        "group_sum" -> (*batch, Hkv, S), the per-head sums added over the H/Hkv query heads that
+        read each key head; "group_mean" -> the same divided by H/Hkv.
+    visible_normalized: divide each head's column sum by the number of rows i whose key j is
+        not hidden (by causal, a bool False, or a float -inf), before the group reduction;
+        0 where no row sees key j.
+    row_entropy: (*lead, L), -sum_j P log P (0 log 0 = 0; fully masked rows give 0).
+    rows: a slice of query rows (positive step, e.g. slice(-w, None)) -> P[..., rows, :] in
+        P's dtype, (*lead, w, S).
+    head_mean: (*batch, L, S), P averaged over the head dim (dim -3 of P).
+    kl_to: a reference map broadcastable to P's shape -> (*lead, L),
+        sum_j Pref log(Pref / P) (terms with Pref = 0 are 0; +inf where Pref > 0 and P = 0).
+    chunk_rows: query rows per chunk; default: a chunk's P is at most 64 MiB.
+
+    Every output is differentiable through q, k, v and a float mask (and kl_to's reference).
+    """
+    if dropout_p != 0:
+        raise ValueError(
+            f"attention_stats: dropout is not supported (dropout_p={dropout_p!r}): the statistics are those of the "
+            "dropout-free map P = softmax(scale*QK^T + mask); call it with dropout_p=0.0")
+    if col_sum is not None and col_sum not in COL_SUM_MODES:
+        raise ValueError(f"attention_stats: col_sum must be None or one of {COL_SUM_MODES}, got {col_sum!r}")
+    if visible_normalized and col_sum is None:
+        raise ValueError("attention_stats: visible_normalized=True needs col_sum")
+    if chunk_rows is not None and (not isinstance(chunk_rows, int) or isinstance(chunk_rows, bool) or chunk_rows < 1):
+        raise ValueError(f"attention_stats: chunk_rows must be a positive int, got {chunk_rows!r}")
+
+    L, S = query.shape[-2], key.shape[-2]
+    if attn_mask is not None and attn_mask.dim() >= 2 and attn_mask.shape[-2] not in (1, L):
+        raise RuntimeError(f"attn_mask of shape {tuple(attn_mask.shape)} cannot be broadcast to the attention shape "
+                           f"(*batch, Hq, L, S) with L = {L}")
+    # A zero-row call: the operator validates every argument (its own errors, causal with a mask
+    # included) and gives P's shape without computing anything.
+    with torch.no_grad():
+        o0, p0 = attention(query[..., :0, :], key, value, _rows_of(attn_mask, 0, 0), 0.0, is_causal,
+                           scale=scale, enable_gqa=enable_gqa)
+    lead = tuple(p0.shape[:-2])
+    p_dtype = p0.dtype
+    stat_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    n_lead = math.prod(lead)
+    if (col_sum in ("group_sum", "group_mean") or head_mean) and len(lead) < 1:
+        raise ValueError("attention_stats: group column sums and head_mean need inputs with a head dim (3+ dims)")
+    groups = None
+    if col_sum in ("group_sum", "group_mean"):
+        H = lead[-1]
+        Hkv = key.shape[-3] if key.dim() >= 3 else 1
+        if Hkv == 0 or H % Hkv:
+            raise ValueError(f"attention_stats: key heads ({Hkv}) do not divide query heads ({H})")
+        groups = (Hkv, H // Hkv)
+    win = _window(rows, L) if rows is not None else None
+    if kl_to is not None:
+        try:
+            ok = torch.broadcast_shapes(tuple(kl_to.shape), lead + (L, S)) == lead + (L, S)
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"attention_stats: kl_to of shape {tuple(kl_to.shape)} does not broadcast to P's shape "
+                             f"{lead + (L, S)}")
+        if kl_to.dim() >= 2 and kl_to.shape[-2] not in (1, L):
+            raise ValueError(f"attention_stats: kl_to has {kl_to.shape[-2]} rows, P has {L}")
+
+    if chunk_rows is None:
+        chunk_rows = default_chunk_rows(n_lead, S, p0.element_size(), L)
+    bounds = [(i0, min(L, i0 + chunk_rows)) for i0 in range(0, L, chunk_rows)] or [(0, 0)]
+
+    tensors = [t for t in (query, key, value, attn_mask, kl_to) if t is not None]
+    use_checkpoint = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+    outs, cols, ents, kls, heads, picked = [], [], [], [], [], []
+    for i0, i1 in bounds:
+        sl = _window_in_chunk(win, i0, i1) if win is not None else None
+
+        def chunk(q_c, k, v, m_c, ref_c, i0=i0, i1=i1, sl=sl):
+            # Everything P-sized lives only inside this function (recomputed in backward).
+            if is_causal:  # top-left: row i sees keys j <= i; built here so the graph does not keep it
+                m_c = torch.arange(i0, i1, device=q_c.device)[:, None] >= torch.arange(S, device=q_c.device)[None, :]
+            o_c, p_c = attention(q_c, k, v, m_c, 0.0, False, scale=scale, enable_gqa=enable_gqa)
+            pf = p_c.to(stat_dtype)
+            res = [o_c]
+            if col_sum is not None:
+                res.append(pf.sum(-2))
+            if row_entropy:
+                res.append(-(pf * torch.log(torch.where(pf > 0, pf, torch.ones_like(pf)))).sum(-1))
+            if kl_to is not None:
+                r = ref_c.to(stat_dtype)
+                logp = torch.log(torch.where(r > 0, pf, torch.ones_like(pf)))
+                res.append((torch.xlogy(r, r) - r * logp).sum(-1))
+            if head_mean:
+                res.append(pf.mean(-3))
+            if sl is not None:
+                res.append(p_c[..., sl, :].clone())
+            return tuple(res)
+
+        args = (query[..., i0:i1, :], key, value, None if is_causal else _rows_of(attn_mask, i0, i1),
+                _rows_of(kl_to, i0, i1))
+        res = list(checkpoint(chunk, *args, use_reentrant=False) if use_checkpoint else chunk(*args))
+        outs.append(res.pop(0))
+        if col_sum is not None:
+            cols.append(res.pop(0))
+        if row_entropy:
+            ents.append(res.pop(0))
+        if kl_to is not None:
+            kls.append(res.pop(0))
+        if head_mean:
+            heads.append(res.pop(0))
+        if sl is not None:
+            picked.append(res.pop(0))
+
+    out = torch.cat(outs, dim=-2) if len(outs) > 1 else outs[0]
+    stats: dict[str, torch.Tensor] = {}
+    if col_sum is not None:
+        cs = cols[0]
+        for c in cols[1:]:
+            cs = cs + c
+        if visible_normalized:
+            cnt = _visible_counts(attn_mask, is_causal, lead, L, S, bounds, query.device).to(stat_dtype)
+            cs = torch.where(cnt > 0, cs / torch.where(cnt > 0, cnt, torch.ones_like(cnt)), torch.zeros_like(cs))
+        if groups is not None:
+            Hkv, G = groups
+            cs = cs.unflatten(-2, (Hkv, G))
+            cs = cs.sum(-2) if col_sum == "group_sum" else cs.mean(-2)
+        stats["col_sum"] = cs
+    if row_entropy:
+        stats["row_entropy"] = torch.cat(ents, dim=-1)
+    if kl_to is not None:
+        stats["kl_to"] = torch.cat(kls, dim=-1)
+    if head_mean:
+        stats["head_mean"] = torch.cat(heads, dim=-2)
+    if win is not None:
+        stats["rows"] = torch.cat(picked, dim=-2) if picked else p0.new_empty(lead + (0, S))
+    return out, stats
+
+
+def _visible_counts(attn_mask, is_causal, lead, L, S, bounds, device) -> torch.Tensor:
+    """(*lead, S) int64: how many rows i see key j (not hidden by causal, bool False or -inf)."""
+    with torch.no_grad():
+        if is_causal:  # rows i in [0, L) with i >= j
+            cnt = (L - torch.arange(S, device=device)).clamp(min=0)
+            return cnt.expand(lead + (S,))
+        if attn_mask is None:
+            return torch.full(lead + (S,), L, dtype=torch.int64, device=device)
+        cnt = torch.zeros(lead + (S,), dtype=torch.int64, device=device)
+        for i0, i1 in bounds:
+            m = _rows_of(attn_mask, i0, i1)
+            vis = m if m.dtype == torch.bool else m != float("-inf")
+            cnt += vis.broadcast_to(lead + (i1 - i0, S)).sum(-2)
+        return cnt
