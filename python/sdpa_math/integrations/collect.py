@@ -1,0 +1,188 @@
+"""Per-layer statistics of the attention maps of a Hugging Face model, maps never materialised
+(issue 16): a collector around an ordinary forward.
+
+    import sdpa_math.integrations.collect as collect
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="exact_attention")
+    with collect.collect(model, col_sum="group_sum", row_entropy=True, rows=slice(-4, None)) as rec:
+        model(ids)
+    rec.stats[0]["col_sum"]      # layer 0: (B, Hkv, S), see docs/statistics.md
+
+How: for the duration of the `with` block the collector puts a recorder on every module of the
+model (module.__dict__, as maps_for_layers does) and overrides transformers' ALL_ATTENTION_FUNCTIONS
+entries "exact_attention" and "sdpa_math" (a local override of that one instance, which modeling
+files read on every call) with collect_attention_forward. That function runs attention_stats for
+modules that carry a recorder and hands every other call, of any other model, to the function
+the entry held before, unchanged. On leaving the last active collector the entries are restored.
+The model's config is not touched; it must already use "exact_attention" (or "sdpa_math").
+
+Mask, causal, GQA, attention sinks (s_aux) and position bias are handled as in
+exact_attention_forward, with its helpers. The attention output is attention_stats' O (the
+operator's O); the weights returned are None (out.attentions skips them).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..stats import attention_stats
+from . import transformers as hf
+
+__all__ = ["collect", "Recorder", "collect_attention_forward", "STAT_KEYWORDS"]
+
+STAT_KEYWORDS = ("col_sum", "visible_normalized", "row_entropy", "head_mean", "rows", "chunk_rows")
+_ATTR = "_sdpa_math_collect"  # per module: the Recorder collecting for it
+_active = 0                   # collectors inside their `with` block
+_saved = {}                   # name -> the local-mapping entry before the first collector (or _MISSING)
+_MISSING = object()
+
+
+class Recorder:
+    """What a collector gathered. stats[layer] is the dict attention_stats returned for that
+    attention module in the latest call (a later forward in the same block replaces it), keyed
+    by module.layer_idx (else the last number in the module's path, else the path).
+    by_name[path] holds the same dicts keyed by module path ("model.layers.0.self_attn"); use it
+    when two attention modules share a layer index (an encoder-decoder), where stats raises."""
+
+    def __init__(self, options):
+        self.options = options
+        self.stats: dict = {}
+        self.by_name: dict[str, dict[str, torch.Tensor]] = {}
+        self._owner: dict = {}
+        self._names: dict = {}
+
+    def _record(self, module, stats):
+        name = self._names.get(module, type(module).__name__)
+        key = hf._layer_number(name, module)
+        key = name if key is None else key
+        owner = self._owner.setdefault(key, name)
+        if owner != name:
+            raise ValueError(f"collect: attention modules {owner} and {name} both have layer number {key}; "
+                             "read Recorder.by_name instead of Recorder.stats")
+        self.stats[key] = stats
+        self.by_name[name] = stats
+
+
+def _attention_inputs(module, query, key, value, attention_mask, dropout, is_causal, sliding_window, s_aux,
+                      position_bias, kwargs):
+    """exact_attention_forward's preparation of the operator's arguments, for attention_stats."""
+    hf._check_keywords(module, kwargs)
+    hf._check_packing(attention_mask, kwargs)
+    B, Hq, L = query.shape[:3]
+    S = key.shape[-2]
+    if attention_mask is not None:
+        attention_mask = attention_mask[:, :, :, :S]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = bool(causal and attention_mask is None and L > 1)
+    if sliding_window is not None and attention_mask is None and S > sliding_window:
+        raise ValueError(f"collect: sliding_window={sliding_window} with {S} keys needs the sliding-window mask, "
+                         "and none was given")
+    if position_bias is not None or s_aux is not None:
+        if causal:
+            attention_mask, causal = hf._causal_mask(query, S), False
+        attention_mask = hf._float_mask(attention_mask, query)
+        if position_bias is not None:
+            position_bias = position_bias[..., :S].to(query.dtype)
+            attention_mask = position_bias if attention_mask is None else attention_mask + position_bias
+        if s_aux is not None:
+            if s_aux.numel() != Hq:
+                raise ValueError(f"collect: s_aux has {s_aux.numel()} entries, expected one per query head ({Hq})")
+            mask = torch.zeros((), dtype=query.dtype, device=query.device) if attention_mask is None else attention_mask
+            sink = s_aux.to(query.dtype).reshape(1, Hq, 1, 1).expand(B, Hq, L, 1)
+            attention_mask = torch.cat([mask.expand(B, Hq, L, S), sink], dim=-1)
+            key = torch.cat([key, key.new_zeros(*key.shape[:-2], 1, key.shape[-1])], dim=-2)
+            value = torch.cat([value, value.new_zeros(*value.shape[:-2], 1, value.shape[-1])], dim=-2)
+    dropout = dropout if module.training else 0.0
+    return key, value, attention_mask, dropout, causal, Hq != key.shape[1]
+
+
+def collect_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                              sliding_window=None, s_aux=None, position_bias=None, *, _fallback=None, **kwargs):
+    """transformers' attention-function signature (as exact_attention_forward). For a module with
+    a recorder: O from attention_stats, the statistics stored in the recorder, weights None.
+    Any other module: _fallback (the entry the collector replaced) answers."""
+    rec = module.__dict__.get(_ATTR)
+    if rec is None:
+        fallback = _fallback or hf.exact_attention_forward
+        return fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                        is_causal=is_causal, sliding_window=sliding_window, s_aux=s_aux, position_bias=position_bias,
+                        **kwargs)
+    S = key.shape[-2]
+    if s_aux is not None and rec.options.get("row_entropy"):
+        raise ValueError("collect: row_entropy with attention sinks (s_aux) is not supported: the sink takes part "
+                         "of each row's mass, so the entropy of the key columns alone is not a row entropy")
+    key, value, mask, dropout, causal, gqa = _attention_inputs(
+        module, query, key, value, attention_mask, dropout, is_causal, sliding_window, s_aux, position_bias, kwargs)
+    out, stats = attention_stats(query, key, value, mask, dropout, causal, scale=scaling, enable_gqa=gqa,
+                                 **rec.options)
+    if s_aux is not None:  # drop the sink's column, as exact_attention_forward drops it from P
+        stats = {k: (v[..., :S] if k in ("col_sum", "rows", "head_mean") else v) for k, v in stats.items()}
+    rec._record(module, stats)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _install():
+    global _active
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as fns
+    if _active == 0:
+        for name in hf.NAMES:
+            _saved[name] = fns._local_mapping.get(name, _MISSING)
+            previous = fns[name]
+
+            def forward(*args, _previous=previous, **kwargs):
+                return collect_attention_forward(*args, _fallback=_previous, **kwargs)
+
+            fns[name] = forward
+    _active += 1
+
+
+def _uninstall():
+    global _active
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as fns
+    _active -= 1
+    if _active == 0:
+        for name, entry in _saved.items():
+            if entry is _MISSING:
+                fns._local_mapping.pop(name, None)
+            else:
+                fns._local_mapping[name] = entry
+        _saved.clear()
+
+
+class collect:
+    """with collect(model, **stats) as rec: model(...)  ->  rec.stats[layer] (see Recorder).
+
+    stats: attention_stats' statistic keywords: col_sum, visible_normalized, row_entropy,
+    head_mean, rows, chunk_rows (docs/statistics.md). model.config._attn_implementation must be
+    "exact_attention" or "sdpa_math" (ValueError otherwise). Dropout must be off (model.eval(), or
+    attention_dropout=0): attention_stats raises for dropout. row_entropy with attention sinks
+    raises. Not reentrant on the same model (ValueError)."""
+
+    def __init__(self, model: torch.nn.Module, **stats):
+        unknown = set(stats) - set(STAT_KEYWORDS)
+        if unknown:
+            raise TypeError(f"collect: unknown keywords {sorted(unknown)}; accepted: {STAT_KEYWORDS}")
+        if not stats or not any(stats.get(k) for k in ("col_sum", "row_entropy", "head_mean")) \
+                and stats.get("rows") is None:
+            raise ValueError("collect: ask for at least one statistic (col_sum, row_entropy, head_mean or rows)")
+        impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        if impl not in hf.NAMES:
+            raise ValueError(f"collect: the model's attention implementation is {impl!r}; build it with "
+                             f"attn_implementation={hf.NAME!r} (or call model.set_attn_implementation({hf.NAME!r}))")
+        self.model = model
+        self.recorder = Recorder(dict(stats))
+
+    def __enter__(self) -> Recorder:
+        modules = dict(self.model.named_modules())
+        if any(_ATTR in m.__dict__ for m in modules.values()):
+            raise ValueError("collect: a collector is already active on this model")
+        self.recorder._names = {m: name for name, m in modules.items()}
+        for m in modules.values():
+            m.__dict__[_ATTR] = self.recorder
+        _install()
+        return self.recorder
+
+    def __exit__(self, *exc):
+        for m in self.model.modules():
+            if m.__dict__.get(_ATTR) is self.recorder:
+                del m.__dict__[_ATTR]
+        _uninstall()
+        return False
