@@ -14,6 +14,10 @@ outputs (random dO and dP) of:
   compiled  torch.compile of `eager`
   lse       O and log-sum-exp from PyTorch's fused kernel, then P = exp(scale QK^T + mask - lse)
   flash     PyTorch's fused kernel without P: the speed of light, not a competitor
+On CUDA a sample is the GPU time of one call (`--timing gpu`, the default): a spin kernel queued
+first keeps the GPU busy while the host issues the call, as in a program that keeps its GPU fed;
+the host's time to issue each call is reported beside it. `--timing wall` times a call issued to
+an idle GPU instead, host time included (the method until session 15).
 It measures the machine's ceilings in the same run (a large copy, a large matrix product), gives
 each shape's roofline floor and the fraction of it reached, the peak extra device memory and the
 relative error of O and P against a float64 reference, and writes bench.json (every raw number,
@@ -277,43 +281,84 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def _call_ms(fn, device):
-    """Wall time of one fn() in ms: CUDA events on the GPU, perf_counter on the CPU."""
-    if device == "cuda":
+# How a CUDA sample is taken. "gpu" (the default): a spin kernel (torch.cuda._sleep) is queued first
+# so the GPU is still busy while the host issues fn's kernels; the events then time the GPU work
+# alone, as a program that keeps the GPU fed sees it, and the floor (a GPU floor) is comparable.
+# "wall": the events time a call issued to an idle GPU, so the host's time to issue the call
+# (Python, dispatcher, autograd, launches) is inside the sample; it was the method until session
+# 15 and is kept for comparison. The host's time to issue each call is recorded either way.
+TIMING = "gpu"
+_cycles_per_ms = None
+
+
+def _spin_cycles_per_ms():
+    """Clock cycles of torch.cuda._sleep per millisecond on this GPU, measured once."""
+    global _cycles_per_ms
+    if _cycles_per_ms is None:
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        n = 2_000_000
+        torch.cuda._sleep(n)  # warm
         a.record()
-        fn()
+        torch.cuda._sleep(n)
         b.record()
         b.synchronize()
-        return a.elapsed_time(b)
+        _cycles_per_ms = n / max(a.elapsed_time(b), 1e-3)
+    return _cycles_per_ms
+
+
+def _call_ms(fn, device, lead_ms=0.0):
+    """(ms, host_ms) of one fn(): ms from CUDA events on the GPU (see TIMING) or perf_counter on
+    the CPU; host_ms is the host's time to return from fn() (on CUDA: to issue its work)."""
+    if device == "cuda":
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if lead_ms > 0:
+            torch.cuda._sleep(int(lead_ms * _spin_cycles_per_ms()))
+        a.record()
+        t0 = time.perf_counter()
+        fn()
+        host = (time.perf_counter() - t0) * 1e3
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b), host
     t0 = time.perf_counter()
     fn()
-    return (time.perf_counter() - t0) * 1e3
+    t = (time.perf_counter() - t0) * 1e3
+    return t, t
 
 
-def interleaved_ms(fns, device, warmup=3, reps=10, budget_s=2.0):
+def interleaved_ms(fns, device, warmup=3, reps=10, budget_s=2.0, host=None):
     """Median times of several functions, measured in rounds (one call of each per round) so
     that every one sees the same machine: a slow spell on a shared 2-core machine then moves
     all of a row's numbers, not the ratios between them. Returns {name: (median, samples)} and
-    {name: error} for those that raised during warm-up."""
-    live, errors = {}, {}
+    {name: error} for those that raised during warm-up; `host`, if a dict, receives each
+    function's median host time to issue one call (ms)."""
+    live, errors, issue = {}, {}, {}
     for name, fn in fns.items():
         try:
             for _ in range(warmup):
-                fn()
+                _sync(device)
+                issue.setdefault(name, []).append(_call_ms(fn, device)[1])
             live[name] = fn
         except Exception as e:  # a failing alternative is recorded, not fatal
             errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     if not live:
         return {}, errors
     _sync(device)
+    # The spin must outlast the host's issuing of the call, or part of it shows in the sample.
+    lead = {name: (max(1.0, 3 * issue[name][-1]) if device == "cuda" and TIMING == "gpu" else 0.0)
+            for name in live}
     samples = {name: [] for name in live}
+    hosts = {name: [] for name in live}
     start = time.perf_counter()
     for rounds in range(1, reps + 1):
         for name, fn in live.items():
-            samples[name].append(_call_ms(fn, device))
+            ms, h = _call_ms(fn, device, lead[name])
+            samples[name].append(ms)
+            hosts[name].append(h)
         if rounds >= 3 and time.perf_counter() - start > budget_s * len(live):
             break
+    if host is not None:
+        host.update({name: statistics.median(h) for name, h in hosts.items()})
     return {name: (statistics.median(t), t) for name, t in samples.items()}, errors
 
 
@@ -468,9 +513,11 @@ def run_row(impls: Impls, s: Shape, dtype, device, ceil, reps, with_backward=Tru
     ok = [n for n, r in row["impls"].items() if "error" not in r]
     phases = [("fwd", make_fwd)] + ([("fwdbwd", make_fwdbwd)] if with_backward else [])
     for phase, make in phases:
-        timed, errors = interleaved_ms({n: make(n) for n in ok}, device, reps=reps)
+        host = {}
+        timed, errors = interleaved_ms({n: make(n) for n in ok}, device, reps=reps, host=host)
         for n, (median, samples) in timed.items():
             row["impls"][n][f"{phase}_ms"], row["impls"][n][f"{phase}_samples"] = median, samples
+            row["impls"][n][f"{phase}_host_ms"] = host[n]
         for n, err in errors.items():
             row["impls"][n]["error"] = err
     ours = row["impls"].get("ours", {})
@@ -530,6 +577,11 @@ def markdown(run):
              f"torch {run['info']['torch']} · {run['info']['time']}", "",
              f"Ceilings measured in this run: copy {run['ceilings']['copy_Bps'] / 1e12:.3f} TB/s, "
              f"{run['ceilings']['mm_dtype']} matrix product {run['ceilings']['mm_flops'] / 1e12:.1f} TFLOP/s.", ""]
+    timing = run["info"].get("timing", "wall")
+    if run["info"]["device"] == "cuda":
+        lines += [("Timing: GPU time of one call, its issuing hidden behind a spin kernel queued first (`--timing gpu`); "
+                   "the host's time to issue each call is in its own table below." if timing == "gpu" else
+                   "Timing: one call issued to an idle GPU, the host's time to issue it included (`--timing wall`)."), ""]
     for phase, title in (("fwd_ms", "Forward (O, P)"), ("fwdbwd_ms", "Forward + backward through O and P")):
         lines += [f"## {title}: median ms (speedup of ours over each)", "",
                   "| shape | dtype | floor | " + " | ".join(COLUMNS) + " | ours/floor |",
@@ -551,6 +603,7 @@ def markdown(run):
                          + f" | {ours[phase] / row['floor'][phase]:.2f} |")
         lines.append("")
     lines += variants_markdown(run)
+    lines += host_markdown(run)
     lines += ["## Error against float64 (relative Frobenius) and peak extra memory of a forward", "",
               "Extra memory: the peak of torch.cuda.max_memory_allocated during one forward above what was "
               "allocated before it (the inputs), outputs included; target 1.1 x (P + O + lse) + 64 MiB.", "",
@@ -578,6 +631,24 @@ def markdown(run):
 
 # Issue 12's targets for the variant rows, ours against ours on the base row: masks within 1.25x
 # of the unmasked time, transposed views within 1.1x of contiguous.
+def host_markdown(run):
+    """The host's time to issue one call (Python, dispatcher, autograd, launches): what a GPU
+    time leaves out, and what a program pays when it waits on each call."""
+    if run["info"]["device"] != "cuda":
+        return []
+    names = [n for n in ("ours", "flash", "compiled", "eager", "native") if n in COLUMNS]
+    lines = ["## Host time to issue one call (median ms)", "",
+             "| shape | dtype | " + " | ".join(f"{n} fwd | {n} f+b" for n in names) + " |",
+             "|---|---|" + "---|---|" * len(names)]
+    for row in run["rows"]:
+        cells = []
+        for n in names:
+            r = row["impls"].get(n, {})
+            cells += [f"{r[k]:.3f}" if k in r else "–" for k in ("fwd_host_ms", "fwdbwd_host_ms")]
+        lines.append(f"| {row['shape']} | {row['dtype']} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 VARIANT_TARGET = {"fmask": 1.25, "kpad": 1.25, "blhe": 1.1}
 
 
@@ -705,9 +776,12 @@ def _cmd_run(a):
     dtypes = [getattr(torch, d) for d in a.dtypes]
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    global TIMING
+    TIMING = a.timing
     impls = Impls(device)
     ceil = ceilings(device)
-    run = {"info": machine_info(device), "ceilings": ceil, "rows": []}
+    run = {"info": {**machine_info(device), "timing": TIMING if device == "cuda" else "wall"},
+           "ceilings": ceil, "rows": []}
     for s in shapes:
         for dtype in dtypes:
             t0 = time.perf_counter()
@@ -746,6 +820,9 @@ def main(argv=None):
     r.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16", "float32"])
     r.add_argument("--reps", type=int, default=15)
     r.add_argument("--no-backward", action="store_true")
+    r.add_argument("--timing", choices=["gpu", "wall"], default="gpu",
+                   help="CUDA samples: GPU time with the host's issuing hidden behind a spin kernel (gpu), or "
+                        "a call issued to an idle GPU, host time included (wall)")
     r.add_argument("--out", default="bench-out")
     g = sub.add_parser("gate", help="compare a run with a committed baseline")
     g.add_argument("run")
