@@ -32,6 +32,11 @@ struct AttentionOptions {
   // forward and backward give the same mask, on every backend.
   uint64_t seed = 0;
   uint64_t offset = 0;
+  // CUDA only: when set, the kernels read seed and offset from this device memory (two values,
+  // seed first) instead of the two fields above. A stream drawn on the device (PyTorch's CUDA
+  // generator) then needs no copy to the host, so a captured CUDA graph gets a new mask on each
+  // replay and a compiled graph has no host synchronisation.
+  const uint64_t* rng_device = nullptr;
 };
 
 struct ForwardArgs {

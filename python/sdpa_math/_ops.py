@@ -59,7 +59,7 @@ def _lead_shape(query, key, value, enable_gqa):
 
 
 @torch.library.register_fake("sdpa_math::forward")
-def _forward_fake(query, key, value, attn_mask, dropout_p, is_causal, dropout_mask, scale, enable_gqa, seed, offset):
+def _forward_fake(query, key, value, attn_mask, dropout_p, is_causal, dropout_mask, scale, enable_gqa, rng):
     lead = _lead_shape(query, key, value, enable_gqa)
     L, S, Ev = query.shape[-2], key.shape[-2], value.shape[-1]
     return (
@@ -71,7 +71,7 @@ def _forward_fake(query, key, value, attn_mask, dropout_p, is_causal, dropout_ma
 
 @torch.library.register_fake("sdpa_math::backward")
 def _backward_fake(grad_output, grad_probs, query, key, value, attn_mask, logsumexp, output, attn_probs, dropout_p, is_causal,
-                   dropout_mask, scale, enable_gqa, seed, offset, output_mask):
+                   dropout_mask, scale, enable_gqa, rng, output_mask):
     # Gradients not asked for come back as empty (0,) tensors (see csrc/binding.cpp).
     mask_grad = output_mask[3] and attn_mask is not None and attn_mask.is_floating_point()
     return (
@@ -83,12 +83,13 @@ def _backward_fake(grad_output, grad_probs, query, key, value, attn_mask, logsum
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, attn_mask, dropout_p, is_causal, dropout_mask, scale, enable_gqa, seed, offset = inputs
+    query, key, value, attn_mask, dropout_p, is_causal, dropout_mask, scale, enable_gqa, rng = inputs
     out, probs, lse = output
     # O and P let the CUDA backward read rowsum(A . dA) as rowsum(dO . O) + rowsum(P . dP)
     # instead of recomputing two products (native's math op keeps P for its backward too).
-    ctx.save_for_backward(query, key, value, attn_mask, dropout_mask, lse, out, probs)
-    ctx.options = (dropout_p, is_causal, scale, enable_gqa, seed, offset)
+    # rng (random dropout's seed and offset, possibly on the device) too: backward redraws the mask.
+    ctx.save_for_backward(query, key, value, attn_mask, dropout_mask, lse, out, probs, rng)
+    ctx.options = (dropout_p, is_causal, scale, enable_gqa)
     ctx.mark_non_differentiable(lse)
     # An output that did not reach the loss gets None, not a tensor of zeros: no L x S zeros
     # for dP when only O was used.
@@ -96,17 +97,17 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_output, grad_probs, _grad_lse):
-    query, key, value, attn_mask, dropout_mask, lse, out, probs = ctx.saved_tensors
-    dropout_p, is_causal, scale, enable_gqa, seed, offset = ctx.options
+    query, key, value, attn_mask, dropout_mask, lse, out, probs, rng = ctx.saved_tensors
+    dropout_p, is_causal, scale, enable_gqa = ctx.options
     need = ctx.needs_input_grad
     mask_grad = bool(need[3] and attn_mask is not None and attn_mask.is_floating_point())
     if grad_output is None and grad_probs is None:
-        return (None,) * 11
+        return (None,) * 10
     wanted = [bool(need[0]), bool(need[1]), bool(need[2]), mask_grad]
     grads = ops.backward(grad_output, grad_probs, query, key, value, attn_mask, lse, out, probs, dropout_p, is_causal,
-                         dropout_mask, scale, enable_gqa, seed, offset, wanted)
+                         dropout_mask, scale, enable_gqa, rng, wanted)
     gq, gk, gv, gm = (g if w else None for g, w in zip(grads, wanted))
-    return gq, gk, gv, gm, None, None, None, None, None, None, None
+    return gq, gk, gv, gm, None, None, None, None, None, None
 
 
 torch.library.register_autograd("sdpa_math::forward", _backward, setup_context=_setup_context)

@@ -8,12 +8,14 @@ from ._ops import ops
 _SEED_BOUND = 2**62
 
 
-def _dropout_stream() -> tuple[int, int]:
-    """A fresh (seed, offset) for random dropout, drawn from PyTorch's default CPU generator so
-    that torch.manual_seed makes it reproducible. The kernels draw element n of P from
-    Philox(seed, offset) (include/sdpa_math/dropout_rng.h), so backward replays the same mask."""
-    seed = int(torch.randint(0, _SEED_BOUND, (), dtype=torch.int64).item())
-    return seed, 0
+def _dropout_stream(device: torch.device) -> torch.Tensor:
+    """A fresh (seed, offset) for random dropout, drawn on the inputs' device from PyTorch's
+    generator for it, so torch.manual_seed (or torch.cuda.manual_seed) makes it reproducible.
+    It stays on the device: the kernels read it there, so nothing waits for the GPU, a captured
+    CUDA graph draws a new pair (a new mask) on each replay and torch.compile(fullgraph=True)
+    traces it. The kernels draw element n of P from Philox(seed, offset)
+    (include/sdpa_math/dropout_rng.h), so backward replays the same mask."""
+    return torch.randint(0, _SEED_BOUND, (2,), dtype=torch.int64, device=device)
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
@@ -42,8 +44,12 @@ def attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
                        offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Like attention(), also returning the row log-sum-exp (float32, float64 for float64
     inputs; -inf on fully masked rows),
-    and taking an explicit dropout (seed, offset)."""
-    if seed is None:
-        seed, offset = _dropout_stream() if (dropout_p > 0 and dropout_mask is None) else (0, 0)
+    and taking an explicit dropout (seed, offset): the same pair gives the same mask on every
+    device."""
+    rng = None
+    if seed is not None:
+        rng = torch.tensor([seed, offset], dtype=torch.int64)  # read on the host by the op
+    elif dropout_p > 0 and dropout_mask is None:
+        rng = _dropout_stream(query.device)
     return ops.forward(query, key, value, attn_mask, float(dropout_p), bool(is_causal), dropout_mask,
-                       None if scale is None else float(scale), bool(enable_gqa), int(seed), int(offset))
+                       None if scale is None else float(scale), bool(enable_gqa), rng)

@@ -17,6 +17,9 @@ void check_backend(Backend b, const core::Problem& p) {
   if ((p.device.type == DeviceType::CUDA) != wants_cuda)
     throw Error(ErrorCode::DeviceMismatch, std::string("the ") + backend_name(b) + " backend cannot run tensors on " +
                                                device_name(p.device));
+  if (p.rng_device != nullptr && !wants_cuda)
+    throw Error(ErrorCode::DeviceMismatch, std::string("the ") + backend_name(b) +
+                                               " backend reads the dropout seed from options.seed; rng_device is for CUDA");
 }
 
 }  // namespace

@@ -51,6 +51,7 @@ struct Problem {
   DropoutMode dropout = DropoutMode::None;
   double dropout_p = 0.0;
   uint64_t seed = 0, offset = 0;
+  const uint64_t* rng_device = nullptr;  // AttentionOptions::rng_device
 
   ForwardShapes shapes;
 

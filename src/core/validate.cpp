@@ -255,6 +255,7 @@ Problem make_problem(const ForwardArgs& a) {
   }
   p.seed = o.seed;
   p.offset = o.offset;
+  p.rng_device = o.rng_device;
   p.scale = o.scale ? *o.scale : 1.0 / std::sqrt(static_cast<double>(E));
   // E = 0: every score is an empty sum, 0 whatever the scale (the math op multiplies empty
   // tensors by it), so P is uniform over the unmasked keys. The default 1/sqrt(0) = inf (or an

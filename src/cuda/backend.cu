@@ -60,6 +60,7 @@ DevProblem to_device(const core::Problem& p) {
   d.scale = p.scale;
   d.seed = p.seed;
   d.offset = p.offset;
+  d.rng = p.rng_device;
   return d;
 }
 

@@ -41,6 +41,7 @@ struct DevProblem {
   double keep_scale = 1.0;  // c of contract §8/§9 (0 for random p = 1)
   double scale = 1.0;
   uint64_t seed = 0, offset = 0;
+  const uint64_t* rng = nullptr;  // when set, seed and offset in device memory (AttentionOptions::rng_device)
 };
 
 #define SDPA_MATH_D __device__ __forceinline__
@@ -175,7 +176,8 @@ SDPA_MATH_D Acc keep_of(const DevProblem& p, int64_t dmask_base, int64_t lead, i
                  ? Acc(1) : Acc(0);
     case Dropout::Random: {
       const uint64_t n = static_cast<uint64_t>((lead * p.L + i) * p.S + j);
-      return dropout_keep(p.seed, p.offset, n, p.drop_threshold) ? Acc(1) : Acc(0);
+      const uint64_t seed = p.rng ? __ldg(p.rng) : p.seed, offset = p.rng ? __ldg(p.rng + 1) : p.offset;
+      return dropout_keep(seed, offset, n, p.drop_threshold) ? Acc(1) : Acc(0);
     }
     default: return Acc(1);
   }

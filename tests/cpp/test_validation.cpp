@@ -224,5 +224,18 @@ TEST(Validation, CudaBackendNeedsItsBuildAndCudaTensors) {
   }
 }
 
+TEST(Validation, HostBackendsRefuseADeviceDropoutStream) {
+  // rng_device points at device memory the host kernels cannot read; they take options.seed.
+  Built b = build(small());
+  const uint64_t pair[2] = {1, 2};
+  b.args.options.dropout_p = 0.3;
+  b.args.options.rng_device = pair;
+  Tensor o = empty_tensor(DType::Float32, make_shape({2, 4, 5, 8})), p = empty_tensor(DType::Float32, make_shape({2, 4, 5, 6})),
+         l = empty_tensor(DType::Float32, make_shape({2, 4, 5}));
+  for (Backend backend : {Backend::Cpu, Backend::Reference})
+    expect_error([&] { forward(backend, b.args, {o.view, p.view, l.view}); }, ErrorCode::DeviceMismatch,
+                 "rng_device is for CUDA");
+}
+
 }  // namespace
 }  // namespace sdpa_math::testing

@@ -28,17 +28,17 @@ def test_opcheck_forward(variant):
         p, dmask = 0.2, torch.rand(2, 4, 6, 7) < 0.8
     if variant == "random_dropout":
         p = 0.2
-    torch.library.opcheck(ops.forward.default, (q, k, v, mask, p, causal, dmask, None, gqa, 11, 3))
+    torch.library.opcheck(ops.forward.default, (q, k, v, mask, p, causal, dmask, None, gqa, torch.tensor([11, 3])))
 
 
 def test_opcheck_backward():
     q, k, v = _qkv(Hkv=4)
     mask = torch.randn(1, 1, 6, 7)
-    out, probs, lse = ops.forward(q, k, v, mask, 0.0, False, None, None, False, 0, 0)
+    out, probs, lse = ops.forward(q, k, v, mask, 0.0, False, None, None, False, None)
     torch.library.opcheck(ops.backward.default, (torch.randn_like(out), torch.randn_like(probs), q, k, v, mask, lse,
-                                                 out, probs, 0.0, False, None, None, False, 0, 0, [True, True, True, True]))
+                                                 out, probs, 0.0, False, None, None, False, None, [True, True, True, True]))
     torch.library.opcheck(ops.backward.default, (None, torch.randn_like(probs), q, k, v, None, lse,
-                                                 None, None, 0.0, False, None, None, False, 0, 0, [True, False, True, False]))
+                                                 None, None, 0.0, False, None, None, False, None, [True, False, True, False]))
 
 
 def _entropy_attention(q, k, v, mask):
@@ -98,9 +98,9 @@ def test_bad_input_raises_core_message(bad, message):
 def test_mask_gradient_without_float_mask_is_an_error():
     q, k, v = _qkv(Hkv=4)
     bool_mask = torch.rand(6, 7) > 0.3
-    out, probs, lse = ops.forward(q, k, v, bool_mask, 0.0, False, None, None, False, 0, 0)
+    out, probs, lse = ops.forward(q, k, v, bool_mask, 0.0, False, None, None, False, None)
     with pytest.raises(RuntimeError, match="no float attn_mask to differentiate"):
-        ops.backward(torch.randn_like(out), None, q, k, v, bool_mask, lse, None, None, 0.0, False, None, None, False, 0, 0,
+        ops.backward(torch.randn_like(out), None, q, k, v, bool_mask, lse, None, None, 0.0, False, None, None, False, None,
                      [True, True, True, True])
 
 

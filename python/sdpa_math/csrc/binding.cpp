@@ -64,10 +64,30 @@ std::optional<sdpa_math::TensorView> view_of(const std::optional<at::Tensor>& t)
 
 std::vector<int64_t> dims(const sdpa_math::Shape& s) { return std::vector<int64_t>(s.dims, s.dims + s.ndim); }
 
+// rng: random dropout's (seed, offset) as a contiguous int64 tensor of two elements, on the CPU
+// (read here) or on the inputs' CUDA device (read by the kernels: nothing waits for the device,
+// so the call can sit in a captured CUDA graph or a compiled graph, and the values can come from
+// PyTorch's CUDA generator). Absent: no random dropout is asked for.
+void set_rng(sdpa_math::AttentionOptions& o, const std::optional<at::Tensor>& rng, const at::Tensor& q) {
+  if (!rng || !rng->defined()) return;
+  TORCH_CHECK(rng->scalar_type() == at::kLong && rng->numel() == 2 && rng->is_contiguous(),
+              "sdpa_math: rng must be a contiguous int64 tensor of two elements (seed, offset), got ",
+              rng->scalar_type(), " of shape ", rng->sizes());
+  if (rng->is_cpu()) {
+    const int64_t* v = rng->data_ptr<int64_t>();
+    o.seed = static_cast<uint64_t>(v[0]);
+    o.offset = static_cast<uint64_t>(v[1]);
+    return;
+  }
+  TORCH_CHECK(q.is_cuda() && rng->device() == q.device(), "sdpa_math: rng is on ", rng->device(),
+              " and the inputs on ", q.device(), "; it must be on the CPU or on the inputs' device");
+  o.rng_device = reinterpret_cast<const uint64_t*>(rng->data_ptr<int64_t>());
+}
+
 sdpa_math::ForwardArgs forward_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                     const std::optional<at::Tensor>& mask, double dropout_p, bool is_causal,
                                     const std::optional<at::Tensor>& dropout_mask, std::optional<double> scale,
-                                    bool enable_gqa, int64_t seed, int64_t offset) {
+                                    bool enable_gqa, const std::optional<at::Tensor>& rng) {
   sdpa_math::ForwardArgs a;
   a.query = view_of(q);
   a.key = view_of(k);
@@ -78,8 +98,7 @@ sdpa_math::ForwardArgs forward_args(const at::Tensor& q, const at::Tensor& k, co
   a.options.dropout_p = dropout_p;
   a.options.is_causal = is_causal;
   a.options.enable_gqa = enable_gqa;
-  a.options.seed = static_cast<uint64_t>(seed);
-  a.options.offset = static_cast<uint64_t>(offset);
+  set_rng(a.options, rng, q);
   return a;
 }
 
@@ -137,10 +156,10 @@ sdpa_math::CudaExecution cuda_execution(const at::Tensor& q) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_kernel(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask,
     double dropout_p, bool is_causal, const std::optional<at::Tensor>& dropout_mask, std::optional<double> scale,
-    bool enable_gqa, int64_t seed, int64_t offset) {
+    bool enable_gqa, const std::optional<at::Tensor>& rng) {
   return checked([&] {
     const at::OptionalDeviceGuard guard(at::device_of(q));  // see on_tensors_device
-    const sdpa_math::ForwardArgs a = forward_args(q, k, v, mask, dropout_p, is_causal, dropout_mask, scale, enable_gqa, seed, offset);
+    const sdpa_math::ForwardArgs a = forward_args(q, k, v, mask, dropout_p, is_causal, dropout_mask, scale, enable_gqa, rng);
     const sdpa_math::ForwardShapes s = sdpa_math::forward_shapes(a);
     at::Tensor out = at::empty(dims(s.output), q.options());
     at::Tensor probs = at::empty(dims(s.attn_probs), q.options());
@@ -191,11 +210,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_kernel(
     const std::optional<at::Tensor>& grad_output, const std::optional<at::Tensor>& grad_probs, const at::Tensor& q,
     const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask, const at::Tensor& logsumexp,
     const std::optional<at::Tensor>& output, const std::optional<at::Tensor>& attn_probs, double dropout_p, bool is_causal, const std::optional<at::Tensor>& dropout_mask, std::optional<double> scale,
-    bool enable_gqa, int64_t seed, int64_t offset, std::array<bool, 4> output_mask) {
+    bool enable_gqa, const std::optional<at::Tensor>& rng, std::array<bool, 4> output_mask) {
   return checked([&] {
     const at::OptionalDeviceGuard guard(at::device_of(q));  // see on_tensors_device
     sdpa_math::BackwardArgs a;
-    a.forward = forward_args(q, k, v, mask, dropout_p, is_causal, dropout_mask, scale, enable_gqa, seed, offset);
+    a.forward = forward_args(q, k, v, mask, dropout_p, is_causal, dropout_mask, scale, enable_gqa, rng);
     alert_if_nondeterministic(a.forward, mask, output_mask);
     a.logsumexp = view_of(logsumexp);
     a.grad_output = view_of(grad_output);
@@ -243,12 +262,12 @@ TORCH_LIBRARY(sdpa_math, m) {
   m.def("set_cpu_isa(str level) -> ()", &set_cpu_isa);
   m.def(
       "forward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, float dropout_p, bool is_causal, "
-      "Tensor? dropout_mask, float? scale, bool enable_gqa, int seed, int offset) "
+      "Tensor? dropout_mask, float? scale, bool enable_gqa, Tensor? rng) "
       "-> (Tensor output, Tensor attn_probs, Tensor logsumexp)");
   m.def(
       "backward(Tensor? grad_output, Tensor? grad_probs, Tensor query, Tensor key, Tensor value, Tensor? attn_mask, "
       "Tensor logsumexp, Tensor? output, Tensor? attn_probs, float dropout_p, bool is_causal, Tensor? dropout_mask, float? scale, bool enable_gqa, "
-      "int seed, int offset, bool[4] output_mask) "
+      "Tensor? rng, bool[4] output_mask) "
       "-> (Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_attn_mask)");
 }
 
