@@ -42,13 +42,25 @@ for stage in $stages; do
       log "pytest (GPU and CPU suites)"
       python3 -m pytest -q -p no:cacheprovider ${SDPA_MATH_PYTEST_ARGS:-tests/python} 2>&1 | tee "$OUT/pytest.log" | tail -25 ;;
     sanitize)
+      # Every tool over the contract's kernel families and over the first fuzz problems. initcheck
+      # does not see the Hopper forward's TMA stores of P (tests/gpu/initcheck_tma.py): it also
+      # runs with the Hopper kernels off (SDPA_MATH_SM90=0), and on P copied by an ordinary kernel.
       for tool in memcheck racecheck synccheck initcheck; do
         log "compute-sanitizer $tool"
-        compute-sanitizer --tool $tool --print-limit 20 python3 tests/gpu/sanitize_cases.py 2>&1 | tail -15 | tee "$OUT/sanitizer-$tool.log"
+        timeout 200 compute-sanitizer --tool $tool --print-limit 20 python3 tests/gpu/sanitize_cases.py 2>&1 | tail -15 | tee "$OUT/sanitizer-$tool.log"
       done
-      log "compute-sanitizer memcheck over ${SDPA_MATH_FUZZ_PROBLEMS:=25} fuzz problems"
-      SDPA_MATH_FUZZ_PROBLEMS=$SDPA_MATH_FUZZ_PROBLEMS compute-sanitizer --tool memcheck --print-limit 20 \
-        python3 -m pytest -q -s -p no:cacheprovider tests/python/test_fuzz.py -k cuda 2>&1 | tail -15 | tee "$OUT/sanitizer-fuzz-memcheck.log" ;;
+      for tool in memcheck racecheck synccheck initcheck; do
+        log "compute-sanitizer $tool over ${SDPA_MATH_FUZZ_PROBLEMS:=25} fuzz problems"
+        SDPA_MATH_FUZZ_PROBLEMS=$SDPA_MATH_FUZZ_PROBLEMS timeout 200 compute-sanitizer --tool $tool --print-limit 20 \
+          python3 -m pytest -q -s -p no:cacheprovider tests/python/test_fuzz.py -k cuda 2>&1 | tail -12 | tee "$OUT/sanitizer-fuzz-$tool.log"
+      done
+      log "initcheck with the Hopper kernels off, and on P copied by a kernel"
+      SDPA_MATH_SM90=0 SDPA_MATH_FUZZ_PROBLEMS=$SDPA_MATH_FUZZ_PROBLEMS timeout 200 compute-sanitizer --tool initcheck --print-limit 20 \
+        python3 -m pytest -q -s -p no:cacheprovider tests/python/test_fuzz.py -k cuda 2>&1 | tail -12 | tee "$OUT/sanitizer-fuzz-initcheck-sm90off.log"
+      for variant in own kernel; do
+        timeout 120 compute-sanitizer --tool initcheck --print-limit 5 python3 tests/gpu/initcheck_tma.py $variant 2>&1 | tail -6 \
+          | tee "$OUT/sanitizer-initcheck-tma-$variant.log"
+      done ;;
     cpu-only)
       # A build without CUDA on purpose: CUDA tensors must get sdpa_math's own error.
       log "CPU-only build (SDPA_MATH_CUDA=OFF) and its tests"

@@ -7,7 +7,7 @@ import sdpa_math
 torch.manual_seed(0)
 for E, L, S in ((64, 130, 130), (128, 130, 300), (64, 256, 256)):
     q, k, v = (torch.randn(1, 2, n, E, device="cuda", dtype=torch.float16) for n in (L, S, S))
-    o, p, lse = torch.ops.sdpa_math.forward(q, k, v, None, 0.0, False, None, None, False, 0, 0)
+    o, p, lse = torch.ops.sdpa_math.forward(q, k, v, None, 0.0, False, None, None, False, None)
     s = q.double() @ k.double().transpose(-1, -2) * E ** -0.5
     rlse = torch.logsumexp(s, -1)
     rp = torch.softmax(s, -1)

@@ -5,8 +5,9 @@ the process; they now hand the first one to the caller (src/cpu/parallel.h), and
 reports std::bad_alloc as a RuntimeError, as PyTorch's CPU allocator does. In a subprocess, with
 the address space limited to what the outputs need but not the scratch rows: one query row against
 32M keys (E = 1) needs 128 MB for P and about 1.3 GB of scratch in the forward, 3.5 GB in the
-backward. (On CUDA the scratch comes from PyTorch's caching allocator, which raises
-torch.OutOfMemoryError itself.)"""
+backward. On CUDA the outputs and the kernels' scratch come from PyTorch's caching allocator,
+which raises torch.OutOfMemoryError itself: tested with a P larger than the GPU and with the
+allocator capped below what a backward needs.)"""
 import subprocess
 import sys
 
@@ -53,3 +54,50 @@ def test_cpu_out_of_memory_raises_and_the_process_goes_on():
     for step in ("forward", "backward"):
         assert lines[step].startswith("raised: ") and "can't allocate memory" in lines[step], run.stdout
     assert lines["after"] == "1.0", run.stdout
+
+
+CUDA_CHILD = r"""
+import torch, sdpa_math
+
+def attempt(fn):
+    try:
+        fn()
+        return "no error"
+    except torch.OutOfMemoryError as e:
+        return "oom: " + str(e).splitlines()[0][:80]
+    except RuntimeError as e:  # anything else (an abort would end the process) is reported as is
+        return "other: " + type(e).__name__ + " " + str(e).splitlines()[0][:200]
+
+dev = torch.device("cuda")
+# A forward whose P alone (64 x 65536^2 fp16, 512 GiB) is more than the GPU holds.
+q = torch.randn(1, 64, 65536, 64, device=dev, dtype=torch.float16)
+print("forward", attempt(lambda: sdpa_math.attention(q, q, q)))
+del q
+# A backward with the caching allocator held to what is reserved after the forward plus 1 MiB:
+# the gradients or the kernels' workspace (taken from the same allocator) cannot be had.
+q, k, v = (torch.randn(2, 8, 1024, 64, device=dev, dtype=torch.float16, requires_grad=True) for _ in range(3))
+out, probs = sdpa_math.attention(q, k, v)
+loss = out.float().sum() + probs.float().square().sum()
+torch.cuda.synchronize()
+torch.cuda.empty_cache()
+total = torch.cuda.get_device_properties(dev).total_memory
+torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + (1 << 20)) / total)
+print("backward", attempt(lambda: torch.autograd.grad(loss, (q, k, v))))
+torch.cuda.set_per_process_memory_fraction(1.0)
+grads = torch.autograd.grad(loss, (q, k, v))
+ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
+o64, p64 = sdpa_math.attention(*ref)
+ref_grads = torch.autograd.grad(o64.sum() + p64.square().sum(), ref)
+err = max(float((g.double() - r).abs().max() / r.abs().max()) for g, r in zip(grads, ref_grads))
+print("after", "ok" if err < 2e-2 else f"gradients off by {err}")
+"""
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_cuda_out_of_memory_raises_torch_error_and_the_process_goes_on():
+    run = subprocess.run([sys.executable, "-c", CUDA_CHILD], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f"exit {run.returncode}: {run.stderr[-2000:]}"
+    lines = dict(line.split(" ", 1) for line in run.stdout.splitlines() if " " in line)
+    assert lines["forward"].startswith("oom: "), run.stdout
+    assert lines["backward"].startswith("oom: "), run.stdout
+    assert lines["after"] == "ok", run.stdout

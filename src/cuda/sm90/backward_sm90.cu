@@ -101,7 +101,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     backward_sm90(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                   const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_do,
                   const __grid_constant__ CUtensorMap tm_p, const __grid_constant__ CUtensorMap tm_dp,
-                  const DevProblem p, const Args a) {
+                  const __grid_constant__ CUtensorMap tm_delta, const DevProblem p, const Args a) {
   using C = Tiles<D>;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* base = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -168,7 +168,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           mbar_wait(&empty[st], ((use / C::kStages) & 1) ^ 1);  // the first use finds it free
           mbar_arrive_expect_tx(&full[st], bytes);
           const int i0 = static_cast<int>(qt * kBM);
-          bulk_load(sDelta + st * kBM, a.delta + lead * a.q_tiles * kBM + i0, C::kDeltaBytes, &full[st]);
+          // delta through a tensor map like every other tile of the stage (a plain bulk copy works
+          // too, but compute-sanitizer's racecheck does not see the stage's mbarriers order it).
+          tma_load_5d(sDelta + st * kBM, &tm_delta, &full[st], i0, static_cast<int>(lead), 0, 0, 0);
 #pragma unroll
           for (int b = 0; b < D / 64; ++b) {
             tma_load_5d(stage_q(st) + b * kBM * 64, &tm_q, &full[st], b * 64, i0, cq[0], cq[1], cq[2]);
@@ -424,7 +426,7 @@ __global__ void __launch_bounds__(256) dq_from_fragments(const DevProblem p, con
 }
 
 template <typename T, int D>
-void launch(const CUtensorMap (&maps)[6], const DevProblem& p, const Args& a, const BackwardTargets& out,
+void launch(const CUtensorMap (&maps)[7], const DevProblem& p, const Args& a, const BackwardTargets& out,
             cudaStream_t stream) {
   const int64_t key_blocks = (p.S + kBN - 1) / kBN;
   const int64_t blocks = key_blocks * a.kv_leads;
@@ -433,7 +435,7 @@ void launch(const CUtensorMap (&maps)[6], const DevProblem& p, const Args& a, co
   const auto kernel = a.has_do ? &backward_sm90<T, D, true> : &backward_sm90<T, D, false>;
   set_smem_limit(reinterpret_cast<const void*>(kernel), Tiles<D>::kSmem);
   kernel<<<static_cast<unsigned>(blocks), kThreads, Tiles<D>::kSmem, stream>>>(maps[0], maps[1], maps[2], maps[3],
-                                                                             maps[4], maps[5], p, a);
+                                                                             maps[4], maps[5], maps[6], p, a);
   check_launch("sm90 backward");
   if (out.dq) {
     const int64_t tiles = p.num_lead * a.q_tiles;
@@ -449,7 +451,7 @@ bool backward_for(const DevProblem& p, const BackwardTargets& out, float* worksp
   Args a;
   a.has_do = p.grad_out.data != nullptr;
   a.has_dp = p.grad_probs.data != nullptr;
-  CUtensorMap maps[6] = {};
+  CUtensorMap maps[7] = {};
   const int64_t D = padded_head(p.E);
   if (!make_map(&maps[0], p, p.q, p.L, p.E, kBM, a.q) || !make_map(&maps[1], p, p.k, p.S, p.E, kBN, a.k) ||
       !make_map(&maps[2], p, p.v, p.S, p.Ev, kBN, a.v))
@@ -472,6 +474,7 @@ bool backward_for(const DevProblem& p, const BackwardTargets& out, float* worksp
   a.scale = static_cast<float>(p.scale);
   float* delta = workspace;
   a.delta = delta;
+  if (!make_rows_map_f32(&maps[6], delta, a.q_tiles * kBM, p.num_lead, kBM)) return false;
   a.dq_acc = workspace + backward_delta_floats(p);
   a.dk = out.dk;
   a.dv = out.dv;

@@ -86,14 +86,6 @@ SDPA_MATH_D uint64_t l2_policy_evict_last() {
   asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
   return policy;
 }
-// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to shared memory as one
-// bulk copy, completing on `bar` like the tensor copies.
-SDPA_MATH_D void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                   smem_u32(dst)),
-               "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(smem_u32(bar))
-               : "memory");
-}
 // A 5-D box from shared memory `src` (written with the map's swizzle) to `map` at c0..c4; parts
 // outside the tensor are not written. Completes as a bulk group (bulk_commit, bulk_wait_read).
 SDPA_MATH_D void tma_store_5d(const CUtensorMap* map, const void* src, int c0, int c1, int c2, int c3, int c4) {

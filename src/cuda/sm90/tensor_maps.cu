@@ -65,6 +65,21 @@ bool make_map(CUtensorMap* map, const DevProblem& p, const DevOperand& op, int64
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
+bool make_rows_map_f32(CUtensorMap* map, const float* data, int64_t row_len, int64_t rows, int box) {
+  EncodeTiled encode = encoder();
+  const cuuint64_t row_bytes = static_cast<cuuint64_t>(row_len) * 4;
+  if (encode == nullptr || reinterpret_cast<uintptr_t>(data) % 16 != 0 || row_bytes % 16 != 0 ||
+      row_bytes >= (cuuint64_t(1) << 40) || row_len > (int64_t(1) << 31) || rows > (int64_t(1) << 31) || rows < 1)
+    return false;
+  const cuuint64_t dims[5] = {static_cast<cuuint64_t>(row_len), static_cast<cuuint64_t>(rows), 1, 1, 1};
+  const cuuint64_t strides[4] = {row_bytes, row_bytes, row_bytes, row_bytes};  // dims of size 1: any valid stride
+  const cuuint32_t boxes[5] = {static_cast<cuuint32_t>(box), 1, 1, 1, 1};
+  const cuuint32_t unit[5] = {1, 1, 1, 1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 5, const_cast<float*>(data), dims, strides, boxes, unit,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_NONE,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
 bool device_supported() {
   // SDPA_MATH_SM90=0 turns the Hopper kernels off (the mma.sync path runs instead): for
   // side-by-side measurements and for telling a kernel's fault from its neighbours'.

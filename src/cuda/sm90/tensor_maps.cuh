@@ -31,6 +31,11 @@ SDPA_MATH_D void map_coords(const MapCoords& mc, int64_t lead, int (&c)[3]) {
 bool make_map(CUtensorMap* map, const DevProblem& p, const DevOperand& op, int64_t rows, int64_t cols, int box_rows,
               MapCoords& mc);
 
+// A 5-D map {row_len, rows, 1, 1, 1} of a dense fp32 buffer, boxes of {box, 1}, no swizzle: for
+// a workspace a kernel reads a row piece at a time through the TMA unit. False when TMA cannot
+// address it.
+bool make_rows_map_f32(CUtensorMap* map, const float* data, int64_t row_len, int64_t rows, int box);
+
 // Head sizes are padded to one or two 64-element (128-byte) column blocks.
 inline int64_t padded_head(int64_t e) { return e <= 64 ? 64 : 128; }
 
