@@ -5,7 +5,8 @@
 #   bash scripts/gpu_run.sh [tests] [sanitize] [cpu-only] [bench] [bench-full] [model] [demo] [profile]
 # SDPA_MATH_PYTEST_ARGS: what the tests stage runs (default tests/python). SDPA_MATH_GPU_ARCHS: the CUDA architectures to build (default 90a-real: the H200; a user's plain
 # `pip install .` builds the CMake default list). SDPA_MATH_CARRIED=1 uses a build carried from the
-# build machine at python/sdpa_math/_C.so instead (a second configuration, not the one users run).
+# build machine at python/sdpa_math/_C.so (or the site folder SDPA_MATH_CARRIED_SITE) instead (a
+# second configuration, not the one users run). SDPA_MATH_BENCH_SET, SDPA_MATH_BENCH_DTYPES: the bench stage's rows.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -19,7 +20,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)" | tee -a "$OUT/machine.txt"
 echo "CXX=${CXX:-} CC=${CC:-} CUDAHOSTCXX=${CUDAHOSTCXX:-}" >> "$OUT/machine.txt"
 if [ "${SDPA_MATH_CARRIED:-0}" = 1 ]; then
-  export PYTHONPATH=$PWD/python
+  export PYTHONPATH=${SDPA_MATH_CARRIED_SITE:-$PWD/python}
 else
   log "building the package as a user does (pip, this machine's compilers)"
   rm -rf /tmp/site python/sdpa_math/_C.so
@@ -74,7 +75,8 @@ for stage in $stages; do
       fi ;;
     bench)
       log "benchmark: anchor shapes and input variants, fp16 and bf16"
-      python3 -m sdpa_math.bench run --device cuda --set anchors+variants --dtypes float16 bfloat16 --out "$OUT" 2>&1 | tail -40 ;;
+      python3 -m sdpa_math.bench run --device cuda --set ${SDPA_MATH_BENCH_SET:-anchors+variants} \
+        --dtypes ${SDPA_MATH_BENCH_DTYPES:-float16 bfloat16} --out "$OUT" 2>&1 | tail -40 ;;
     bench-full)
       log "benchmark: anchors and sweep, fp16, bf16, fp32"
       python3 -m sdpa_math.bench run --device cuda --set anchors+sweep --out "$OUT" 2>&1 | tail -50 ;;
