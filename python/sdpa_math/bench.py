@@ -646,6 +646,24 @@ def host_markdown(run):
             r = row["impls"].get(n, {})
             cells += [f"{r[k]:.3f}" if k in r else "–" for k in ("fwd_host_ms", "fwdbwd_host_ms")]
         lines.append(f"| {row['shape']} | {row['dtype']} | " + " | ".join(cells) + " |")
+    lines += ["", "## Back to back: max(GPU time, host time) per call (median ms)", "",
+              "What a loop issuing one call after another sustains when it never waits on the GPU: whichever "
+              "of the GPU and the host is slower sets the pace.", "",
+              "| shape | dtype | " + " | ".join(f"{n} fwd | {n} f+b" for n in names) + " |",
+              "|---|---|" + "---|---|" * len(names)]
+    for row in run["rows"]:
+        ours = row["impls"].get("ours", {})
+        cells = []
+        for n in names:
+            r = row["impls"].get(n, {})
+            for phase in ("fwd", "fwdbwd"):
+                if f"{phase}_ms" not in r or f"{phase}_host_ms" not in r:
+                    cells.append("–")
+                    continue
+                t = max(r[f"{phase}_ms"], r[f"{phase}_host_ms"])
+                mine = max(ours.get(f"{phase}_ms", 0.0), ours.get(f"{phase}_host_ms", 0.0))
+                cells.append(f"{t:.3f}" if n == "ours" or not mine else f"{t:.3f} ({t / mine:.2f}x)")
+        lines.append(f"| {row['shape']} | {row['dtype']} | " + " | ".join(cells) + " |")
     return lines + [""]
 
 

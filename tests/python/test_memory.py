@@ -74,16 +74,18 @@ q = torch.randn(1, 64, 65536, 64, device=dev, dtype=torch.float16)
 print("forward", attempt(lambda: sdpa_math.attention(q, q, q)))
 del q
 # Backwards with the caching allocator held to what is reserved after the forward plus 1 MiB (the
-# gradients cannot be had) and plus 7 MiB (the three 2 MiB gradients can, the kernels' 4 MiB
-# fp32 workspace, from the same allocator, cannot). The incoming gradients exist beforehand, so
-# the first allocations of the backward are the op's own.
-q, k, v = (torch.randn(2, 8, 1024, 64, device=dev, dtype=torch.float16, requires_grad=True) for _ in range(3))
+# gradients cannot be had) and plus 50 MiB (the three 16 MiB gradients can, the kernels' 32 MiB
+# fp32 workspace, from the same allocator, cannot). Every tensor is 10 MiB or more, so each has a
+# segment of its own and no allocation fits in the free tail of another's; the incoming gradients
+# exist beforehand, so the first allocations of the backward are the op's own.
+torch.cuda.empty_cache()
+q, k, v = (torch.randn(2, 16, 2048, 128, device=dev, dtype=torch.float16, requires_grad=True) for _ in range(3))
 out, probs = sdpa_math.attention(q, k, v)
 d_out, d_probs = torch.randn_like(out), torch.randn_like(probs)
 torch.cuda.synchronize()
 torch.cuda.empty_cache()
 total = torch.cuda.get_device_properties(dev).total_memory
-for name, spare in (("backward_outputs", 1 << 20), ("backward_scratch", 7 << 20)):
+for name, spare in (("backward_outputs", 1 << 20), ("backward_scratch", 50 << 20)):
     torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + spare) / total)
     print(name, attempt(lambda: torch.autograd.grad((out, probs), (q, k, v), (d_out, d_probs), retain_graph=True)))
     torch.cuda.set_per_process_memory_fraction(1.0)
