@@ -1,6 +1,6 @@
-"""Loads the compiled ops (torch.ops.sdpa_math.*) and registers what PyTorch needs around them:
-fake kernels for torch.compile, and autograd through both outputs O and P. Double backward is not
-implemented: differentiating the gradients raises (see _double_backward)."""
+"""Loads the compiled ops (torch.ops.sdpa_math.*) and registers their fake kernels for
+torch.compile. Autograd through both outputs O and P comes with the compiled library
+(csrc/autograd.cpp); double backward is not implemented: differentiating the gradients raises."""
 from __future__ import annotations
 
 import pathlib
@@ -82,57 +82,6 @@ def _backward_fake(grad_output, grad_probs, query, key, value, attn_mask, logsum
     )
 
 
-def _setup_context(ctx, inputs, output):
-    query, key, value, attn_mask, dropout_p, is_causal, dropout_mask, scale, enable_gqa, rng = inputs
-    out, probs, lse = output
-    # O and P let the CUDA backward read rowsum(A . dA) as rowsum(dO . O) + rowsum(P . dP)
-    # instead of recomputing two products (native's math op keeps P for its backward too).
-    # rng (random dropout's seed and offset, possibly on the device) too: backward redraws the mask.
-    ctx.save_for_backward(query, key, value, attn_mask, dropout_mask, lse, out, probs, rng)
-    ctx.options = (dropout_p, is_causal, scale, enable_gqa)
-    ctx.mark_non_differentiable(lse)
-    # An output that did not reach the loss gets None, not a tensor of zeros: no L x S zeros
-    # for dP when only O was used.
-    ctx.set_materialize_grads(False)
+# Autograd of both ops (gradients through O and P; double backward an error) is registered in
+# C++ (csrc/autograd.cpp): through Python it cost more host time than the kernel itself.
 
-
-def _backward(ctx, grad_output, grad_probs, _grad_lse):
-    query, key, value, attn_mask, dropout_mask, lse, out, probs, rng = ctx.saved_tensors
-    dropout_p, is_causal, scale, enable_gqa = ctx.options
-    need = ctx.needs_input_grad
-    mask_grad = bool(need[3] and attn_mask is not None and attn_mask.is_floating_point())
-    if grad_output is None and grad_probs is None:
-        return (None,) * 10
-    wanted = [bool(need[0]), bool(need[1]), bool(need[2]), mask_grad]
-    grads = ops.backward(grad_output, grad_probs, query, key, value, attn_mask, lse, out, probs, dropout_p, is_causal,
-                         dropout_mask, scale, enable_gqa, rng, wanted)
-    gq, gk, gv, gm = (g if w else None for g, w in zip(grads, wanted))
-    return gq, gk, gv, gm, None, None, None, None, None, None
-
-
-torch.library.register_autograd("sdpa_math::forward", _backward, setup_context=_setup_context)
-
-
-_DOUBLE_BACKWARD = (
-    "sdpa_math: double backward is not supported: the gradients of sdpa_math.attention (and of the "
-    "aten op under sdpa_math.override()) are not differentiable. This is reached by differentiating "
-    "gradients taken with create_graph=True (gradient penalties, Hessian-vector products, "
-    "gradgradcheck). Use PyTorch's own math op there (sdpa_math.disable(), or outside the "
-    "override() block).")
-
-
-def _double_backward_setup_context(ctx, inputs, output):
-    pass
-
-
-def _double_backward(ctx, *grads):
-    """The autograd formula of sdpa_math::backward: an error, not silent zeros.
-
-    Without one, a gradient taken with create_graph=True came out attached to PyTorch's
-    not-implemented fallback, and differentiating it gave None (zeros) with only a warning. The
-    error is raised when the second derivative actually reaches the op, so create_graph=True on a
-    graph whose second derivative does not pass through attention still works."""
-    raise RuntimeError(_DOUBLE_BACKWARD)
-
-
-torch.library.register_autograd("sdpa_math::backward", _double_backward, setup_context=_double_backward_setup_context)

@@ -1,5 +1,6 @@
-// The PyTorch binding: every sdpa_math op's schema, and the CPU kernels that turn at::Tensors into
-// core tensor views. Autograd, fake kernels and the aten override live in Python (python/sdpa_math).
+// The PyTorch binding: every sdpa_math op's schema, and the CPU and CUDA kernels that turn
+// at::Tensors into core tensor views. Autograd is in autograd.cpp; fake kernels and the aten
+// override live in Python (python/sdpa_math).
 #include <ATen/ATen.h>
 #include <ATen/DeviceGuard.h>
 #include <ATen/Parallel.h>
