@@ -11,9 +11,10 @@ import copy
 import pytest
 import torch
 
-import sdpa_math.integrations.transformers as hf  # registers "exact_attention" and "sdpa_math"
-
 transformers = pytest.importorskip("transformers")
+
+import sdpa_math.integrations.transformers as hf  # noqa: E402  (registers "exact_attention" and "sdpa_math")
+
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BIG = DEVICE == "cuda"
