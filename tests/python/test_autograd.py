@@ -207,3 +207,28 @@ def test_deterministic_mode_refuses_cuda_backward(deterministic):
     deterministic(True)
     with pytest.warns(UserWarning, match="does not have a deterministic implementation"):
         _grads("cuda", 4, 4)
+
+
+FIRST_CALL_COMPILED = r"""
+import torch, sdpa_math
+def step(q, k, v):
+    out, probs = sdpa_math.attention(q, k, v)
+    return out, probs
+g = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(2, 3, 5, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+out, probs = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v)
+compiled = torch.autograd.grad(out.sum() + probs.square().sum(), (q, k, v))
+out, probs = sdpa_math.attention(q, k, v)
+eager = torch.autograd.grad(out.sum() + probs.square().sum(), (q, k, v))
+print("max diff", max(float((a - b).abs().max()) for a, b in zip(compiled, eager)))
+"""
+
+
+def test_first_call_under_compile_then_eager():
+    """The autograd layer's placeholder for absent tensors is made at the first call; when that
+    call is traced by torch.compile it must still be a real tensor, or later eager calls break."""
+    import subprocess
+    import sys
+    run = subprocess.run([sys.executable, "-c", FIRST_CALL_COMPILED], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert float(run.stdout.split("max diff")[1]) < 1e-12, run.stdout

@@ -8,6 +8,7 @@
 // the GPU, set the pace (bench/NOTES.md, session 15). The kernels below autograd are reached
 // through the dispatcher, so fake tensors (torch.compile) and every backend take the same path.
 #include <ATen/ATen.h>
+#include <ATen/EmptyTensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/InferenceMode.h>
 #include <torch/autograd.h>
@@ -49,11 +50,13 @@ const c10::TypedOperatorHandle<BackwardSig>& backward_op() {
 
 // An absent optional tensor crosses Function::apply as this one shared empty tensor: autograd
 // records the device and dtype of every tensor argument, which an undefined tensor does not have.
-// Made once, outside inference mode, so that it can be saved for backward in any call.
+// Made once, outside inference mode (so that any call can save it for backward), and straight
+// from the CPU allocator rather than through the dispatcher: if the first call is traced by
+// torch.compile, a dispatched empty() would be a fake tensor, kept for every later call.
 const at::Tensor& absent() {
   static const at::Tensor none = [] {
     c10::InferenceMode normal(false);
-    return at::empty({0});
+    return at::Tensor(at::detail::empty_cpu({0}, at::kFloat));
   }();
   return none;
 }
