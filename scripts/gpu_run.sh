@@ -2,7 +2,7 @@
 # One call on the GPU machine does the whole job: check the machine, build the package there the
 # way a user does (pip with that machine's own compilers), check the build, run the GPU tests,
 # run a subset under compute-sanitizer, and benchmark. Raw results go under $OUT.
-#   bash scripts/gpu_run.sh [tests] [sanitize] [cpu-only] [bench] [bench-full] [model] [demo] [profile]
+#   bash scripts/gpu_run.sh [tests] [sanitize] [initcheck-repro] [cpu-only] [bench] [bench-full] [model] [demo] [profile]
 # SDPA_MATH_PYTEST_ARGS: what the tests stage runs (default tests/python). SDPA_MATH_GPU_ARCHS: the CUDA architectures to build (default 90a-real: the H200; a user's plain
 # `pip install .` builds the CMake default list). SDPA_MATH_CARRIED=1 uses a build carried from the
 # build machine at python/sdpa_math/_C.so (or the site folder SDPA_MATH_CARRIED_SITE) instead (a
@@ -62,6 +62,13 @@ for stage in $stages; do
         timeout 120 compute-sanitizer --tool initcheck --print-limit 5 python3 tests/gpu/initcheck_tma.py $variant 2>&1 | tail -6 \
           | tee "$OUT/sanitizer-initcheck-tma-$variant.log"
       done ;;
+    initcheck-repro)
+      # Does initcheck follow writes made by the bulk-copy (TMA) unit? Standalone, no sdpa_math code.
+      log "initcheck on tests/gpu/initcheck_bulk_store.cu"
+      nvcc -arch=sm_90a -o /tmp/initcheck_bulk_store tests/gpu/initcheck_bulk_store.cu > "$OUT/initcheck-repro.log" 2>&1 \
+        && /tmp/initcheck_bulk_store >> "$OUT/initcheck-repro.log" 2>&1 \
+        && compute-sanitizer --tool initcheck --print-limit 6 /tmp/initcheck_bulk_store >> "$OUT/initcheck-repro.log" 2>&1
+      tail -30 "$OUT/initcheck-repro.log" ;;
     cpu-only)
       # A build without CUDA on purpose: CUDA tensors must get sdpa_math's own error.
       log "CPU-only build (SDPA_MATH_CUDA=OFF) and its tests"
