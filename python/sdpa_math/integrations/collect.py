@@ -61,39 +61,6 @@ class Recorder:
         self.by_name[name] = stats
 
 
-def _attention_inputs(module, query, key, value, attention_mask, dropout, is_causal, sliding_window, s_aux,
-                      position_bias, kwargs):
-    """exact_attention_forward's preparation of the operator's arguments, for attention_stats."""
-    hf._check_keywords(module, kwargs)
-    hf._check_packing(attention_mask, kwargs)
-    B, Hq, L = query.shape[:3]
-    S = key.shape[-2]
-    if attention_mask is not None:
-        attention_mask = attention_mask[:, :, :, :S]
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    causal = bool(causal and attention_mask is None and L > 1)
-    if sliding_window is not None and attention_mask is None and S > sliding_window:
-        raise ValueError(f"collect: sliding_window={sliding_window} with {S} keys needs the sliding-window mask, "
-                         "and none was given")
-    if position_bias is not None or s_aux is not None:
-        if causal:
-            attention_mask, causal = hf._causal_mask(query, S), False
-        attention_mask = hf._float_mask(attention_mask, query)
-        if position_bias is not None:
-            position_bias = position_bias[..., :S].to(query.dtype)
-            attention_mask = position_bias if attention_mask is None else attention_mask + position_bias
-        if s_aux is not None:
-            if s_aux.numel() != Hq:
-                raise ValueError(f"collect: s_aux has {s_aux.numel()} entries, expected one per query head ({Hq})")
-            mask = torch.zeros((), dtype=query.dtype, device=query.device) if attention_mask is None else attention_mask
-            sink = s_aux.to(query.dtype).reshape(1, Hq, 1, 1).expand(B, Hq, L, 1)
-            attention_mask = torch.cat([mask.expand(B, Hq, L, S), sink], dim=-1)
-            key = torch.cat([key, key.new_zeros(*key.shape[:-2], 1, key.shape[-1])], dim=-2)
-            value = torch.cat([value, value.new_zeros(*value.shape[:-2], 1, value.shape[-1])], dim=-2)
-    dropout = dropout if module.training else 0.0
-    return key, value, attention_mask, dropout, causal, Hq != key.shape[1]
-
-
 def collect_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
                               sliding_window=None, s_aux=None, position_bias=None, *, _fallback=None, **kwargs):
     """transformers' attention-function signature (as exact_attention_forward). For a module with
@@ -109,7 +76,7 @@ def collect_attention_forward(module, query, key, value, attention_mask, dropout
     if s_aux is not None and rec.options.get("row_entropy"):
         raise ValueError("collect: row_entropy with attention sinks (s_aux) is not supported: the sink takes part "
                          "of each row's mass, so the entropy of the key columns alone is not a row entropy")
-    key, value, mask, dropout, causal, gqa = _attention_inputs(
+    key, value, mask, dropout, causal, gqa = hf.operator_inputs(
         module, query, key, value, attention_mask, dropout, is_causal, sliding_window, s_aux, position_bias, kwargs)
     out, stats = attention_stats(query, key, value, mask, dropout, causal, scale=scaling, enable_gqa=gqa,
                                  **rec.options)

@@ -106,15 +106,13 @@ def _maps_wanted(module):
     return state
 
 
-def exact_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-                            sliding_window=None, s_aux=None, position_bias=None, **kwargs):
-    """transformers' attention-function signature.
-
-    query (B, Hq, L, D), key/value (B, Hkv, S, D) not repeated for GQA, attention_mask a bool
-    (B, 1, L, S) mask (True = attend), a float additive mask, or None. s_aux (Hq,): one sink logit
-    per head; position_bias (1 or B, Hq, L, S), added to the scores (after scaling). Returns the
-    output as (B, L, Hq, D), contiguous, and the weights P as (B, Hq, L, S), or None in a layer that
-    maps_for_layers left out. Raises ValueError for softcap and for unknown keywords (see IGNORED)."""
+def operator_inputs(module, query, key, value, attention_mask, dropout, is_causal, sliding_window, s_aux,
+                    position_bias, kwargs):
+    """The operator's arguments from transformers' attention call: (key, value, mask, dropout,
+    is_causal, enable_gqa). Checks the keywords and the packing, trims the mask to the keys, and
+    folds a position bias and attention sinks into one float mask (a sink is one more key with
+    zero key and value vectors, so the caller drops the last column of P). Shared by
+    exact_attention_forward and the statistics collector."""
     _check_keywords(module, kwargs)
     _check_packing(attention_mask, kwargs)
     B, Hq, L = query.shape[:3]
@@ -153,7 +151,21 @@ def exact_attention_forward(module, query, key, value, attention_mask, dropout=0
             value = torch.cat([value, value.new_zeros(*value.shape[:-2], 1, value.shape[-1])], dim=-2)
 
     dropout = dropout if module.training else 0.0
-    gqa = Hq != key.shape[1]
+    return key, value, attention_mask, dropout, causal, Hq != key.shape[1]
+
+
+def exact_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                            sliding_window=None, s_aux=None, position_bias=None, **kwargs):
+    """transformers' attention-function signature.
+
+    query (B, Hq, L, D), key/value (B, Hkv, S, D) not repeated for GQA, attention_mask a bool
+    (B, 1, L, S) mask (True = attend), a float additive mask, or None. s_aux (Hq,): one sink logit
+    per head; position_bias (1 or B, Hq, L, S), added to the scores (after scaling). Returns the
+    output as (B, L, Hq, D), contiguous, and the weights P as (B, Hq, L, S), or None in a layer that
+    maps_for_layers left out. Raises ValueError for softcap and for unknown keywords (see IGNORED)."""
+    S = key.shape[-2]
+    key, value, attention_mask, dropout, causal, gqa = operator_inputs(
+        module, query, key, value, attention_mask, dropout, is_causal, sliding_window, s_aux, position_bias, kwargs)
     if _maps_wanted(module):
         output, probs = attention(query, key, value, attention_mask, dropout, causal, scale=scaling, enable_gqa=gqa)
         if s_aux is not None:
