@@ -43,25 +43,29 @@ for stage in $stages; do
       log "pytest (GPU and CPU suites)"
       python3 -m pytest -q -p no:cacheprovider ${SDPA_MATH_PYTEST_ARGS:-tests/python} 2>&1 | tee "$OUT/pytest.log" | tail -25 ;;
     sanitize)
-      # Every tool over the contract's kernel families and over the first fuzz problems. initcheck
-      # does not see the Hopper forward's TMA stores of P (tests/gpu/initcheck_tma.py): it also
-      # runs with the Hopper kernels off (SDPA_MATH_SM90=0), and on P copied by an ordinary kernel.
+      # Every tool over the contract's kernel families and over the fuzz problems
+      # (SDPA_MATH_FUZZ_PROBLEMS, default 25; 200 is the whole fuzz test). initcheck does not see the
+      # Hopper forward's TMA stores of P (tests/gpu/initcheck_tma.py): it also runs with the Hopper
+      # kernels off (SDPA_MATH_SM90=0), and on P copied by an ordinary kernel. The runs are
+      # independent processes, so they share the GPU and run side by side (a sanitizer's cost is
+      # mostly host time); each has SDPA_MATH_SANITIZE_TIMEOUT seconds (default 200).
+      tmo=${SDPA_MATH_SANITIZE_TIMEOUT:-200}
+      fuzz=${SDPA_MATH_FUZZ_PROBLEMS:-25}
+      log "compute-sanitizer: 4 tools on the kernel families, 4 (+initcheck with SM90=0) on $fuzz fuzz problems, side by side"
       for tool in memcheck racecheck synccheck initcheck; do
-        log "compute-sanitizer $tool"
-        timeout 200 compute-sanitizer --tool $tool --print-limit 20 python3 tests/gpu/sanitize_cases.py 2>&1 | tail -15 | tee "$OUT/sanitizer-$tool.log"
+        ( timeout $tmo compute-sanitizer --tool $tool --print-limit 20 python3 tests/gpu/sanitize_cases.py 2>&1 | tail -15 \
+            > "$OUT/sanitizer-$tool.log" ) &
+        ( SDPA_MATH_FUZZ_PROBLEMS=$fuzz timeout $tmo compute-sanitizer --tool $tool --print-limit 20 \
+            python3 -m pytest -q -s -p no:cacheprovider tests/python/test_fuzz.py -k cuda 2>&1 | tail -12 > "$OUT/sanitizer-fuzz-$tool.log" ) &
       done
-      for tool in memcheck racecheck synccheck initcheck; do
-        log "compute-sanitizer $tool over ${SDPA_MATH_FUZZ_PROBLEMS:=25} fuzz problems"
-        SDPA_MATH_FUZZ_PROBLEMS=$SDPA_MATH_FUZZ_PROBLEMS timeout 200 compute-sanitizer --tool $tool --print-limit 20 \
-          python3 -m pytest -q -s -p no:cacheprovider tests/python/test_fuzz.py -k cuda 2>&1 | tail -12 | tee "$OUT/sanitizer-fuzz-$tool.log"
-      done
-      log "initcheck with the Hopper kernels off, and on P copied by a kernel"
-      SDPA_MATH_SM90=0 SDPA_MATH_FUZZ_PROBLEMS=$SDPA_MATH_FUZZ_PROBLEMS timeout 200 compute-sanitizer --tool initcheck --print-limit 20 \
-        python3 -m pytest -q -s -p no:cacheprovider tests/python/test_fuzz.py -k cuda 2>&1 | tail -12 | tee "$OUT/sanitizer-fuzz-initcheck-sm90off.log"
+      ( SDPA_MATH_SM90=0 SDPA_MATH_FUZZ_PROBLEMS=$fuzz timeout $tmo compute-sanitizer --tool initcheck --print-limit 20 \
+          python3 -m pytest -q -s -p no:cacheprovider tests/python/test_fuzz.py -k cuda 2>&1 | tail -12 > "$OUT/sanitizer-fuzz-initcheck-sm90off.log" ) &
       for variant in own kernel; do
-        timeout 120 compute-sanitizer --tool initcheck --print-limit 5 python3 tests/gpu/initcheck_tma.py $variant 2>&1 | tail -6 \
-          | tee "$OUT/sanitizer-initcheck-tma-$variant.log"
-      done ;;
+        ( timeout 120 compute-sanitizer --tool initcheck --print-limit 5 python3 tests/gpu/initcheck_tma.py $variant 2>&1 | tail -6 \
+            > "$OUT/sanitizer-initcheck-tma-$variant.log" ) &
+      done
+      wait
+      for f in "$OUT"/sanitizer-*.log; do echo "-- ${f##*/}"; grep -E "SUMMARY|passed|failed|problems|rror" "$f" | tail -4; done ;;
     initcheck-repro)
       # Does initcheck follow writes made by the bulk-copy (TMA) unit? Standalone, no sdpa_math code.
       log "initcheck on tests/gpu/initcheck_bulk_store.cu"

@@ -262,7 +262,11 @@ __global__ void __launch_bounds__(kThreads, R == 1 ? 5 : 3) decode_partial(DevPr
         const float e = weight_to(s[u][r], mx);
         l[r] += e;
         if (j < j_end && sub == 0) sc[r * kSplitKeys + (j - first)] = s[u][r];
-        const float wv = PLAIN || p.dropout == Dropout::None ? e : returned_prob<float>(p, e, keep_at<PLAIN>(p, rows[r], j));
+        // Keys past j_end have e = 0; their dropout entries lie outside the row (initcheck found
+        // the read), so they are not read.
+        const float wv = PLAIN || p.dropout == Dropout::None || j >= j_end
+                             ? e
+                             : returned_prob<float>(p, e, keep_at<PLAIN>(p, rows[r], j));
 #pragma unroll
         for (int c = 0; c < Lay::CH; ++c)
 #pragma unroll

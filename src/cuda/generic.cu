@@ -10,6 +10,16 @@ namespace {
 constexpr int kThreads = 128;
 constexpr int kChunk = 512;  // keys (or query rows) whose weights are staged in shared memory
 
+// Elements of a shared-memory region, rounded up so that every region starts on a 128-byte
+// boundary. compute-sanitizer's racecheck reported hazards between a read of q (or dO) and a
+// write of the next region when E or Ev is 1, though no element is shared: it tracks shared
+// memory in blocks wider than one element, and neighbouring regions must not share one.
+template <typename Acc>
+SDPA_MATH_HD int64_t region(int64_t n) {
+  constexpr int64_t k = 128 / sizeof(Acc);
+  return (n + k - 1) / k * k;
+}
+
 template <typename Acc>
 __device__ Acc dot_rows(const DevOperand& a, int64_t a_at, const Acc* b, int64_t n) {
   Acc s = 0;
@@ -43,7 +53,7 @@ template <typename Acc>
 __global__ void __launch_bounds__(kThreads) forward_rows(DevProblem p) {
   extern __shared__ unsigned char smem_raw[];
   Acc* q = reinterpret_cast<Acc*>(smem_raw);  // E
-  Acc* w = q + p.E;                            // kChunk
+  Acc* w = q + region<Acc>(p.E);              // kChunk
   Acc* red = w + kChunk;                       // 2 * kThreads
   Acc* o = red + 2 * kThreads;                 // Ev
   const int64_t lead = blockIdx.x / p.L, i = blockIdx.x % p.L;
@@ -136,8 +146,8 @@ template <typename Acc>
 __global__ void __launch_bounds__(kThreads) backward_rows(DevProblem p, BackwardBuffers<Acc> g) {
   extern __shared__ unsigned char smem_raw[];
   Acc* q = reinterpret_cast<Acc*>(smem_raw);  // E
-  Acc* dout = q + p.E;                         // Ev
-  Acc* ds = dout + p.Ev;                       // kChunk
+  Acc* dout = q + region<Acc>(p.E);           // Ev
+  Acc* ds = dout + region<Acc>(p.Ev);          // kChunk
   Acc* red = ds + kChunk;                      // kThreads
   const int64_t lead = blockIdx.x / p.L, i = blockIdx.x % p.L;
   const int64_t q_at = lead_off(p, p.q, lead) + i * p.q.row;
@@ -255,7 +265,7 @@ void generic_forward(const DevProblem& p, cudaStream_t stream) {
   const int64_t blocks = p.num_lead * p.L;
   if (blocks == 0) return;
   check_grid(blocks);
-  const size_t smem = sizeof(Acc) * (p.E + kChunk + 2 * kThreads + p.Ev);
+  const size_t smem = sizeof(Acc) * (region<Acc>(p.E) + kChunk + 2 * kThreads + p.Ev);
   set_smem_limit(reinterpret_cast<const void*>(&forward_rows<Acc>), smem);
   forward_rows<Acc><<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p);
   check_launch("generic forward");
@@ -266,7 +276,7 @@ void generic_backward(const DevProblem& p, const BackwardBuffers<Acc>& g, cudaSt
   const int64_t row_blocks = p.num_lead * p.L;
   if (row_blocks == 0) return;
   check_grid(row_blocks);
-  const size_t smem_rows = sizeof(Acc) * (p.E + p.Ev + kChunk + kThreads);
+  const size_t smem_rows = sizeof(Acc) * (region<Acc>(p.E) + region<Acc>(p.Ev) + kChunk + kThreads);
   set_smem_limit(reinterpret_cast<const void*>(&backward_rows<Acc>), smem_rows);
   backward_rows<Acc><<<static_cast<unsigned>(row_blocks), kThreads, smem_rows, stream>>>(p, g);
   check_launch("generic backward (rows)");
@@ -286,7 +296,7 @@ void generic_delta(const DevProblem& p, Acc* delta, cudaStream_t stream) {
   const int64_t row_blocks = p.num_lead * p.L;
   if (row_blocks == 0) return;
   check_grid(row_blocks);
-  const size_t smem_rows = sizeof(Acc) * (p.E + p.Ev + kChunk + kThreads);
+  const size_t smem_rows = sizeof(Acc) * (region<Acc>(p.E) + region<Acc>(p.Ev) + kChunk + kThreads);
   set_smem_limit(reinterpret_cast<const void*>(&backward_rows<Acc>), smem_rows);
   backward_rows<Acc><<<static_cast<unsigned>(row_blocks), kThreads, smem_rows, stream>>>(p, only_delta);
   check_launch("generic backward (delta)");

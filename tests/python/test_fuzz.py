@@ -19,6 +19,10 @@ import sdpa_math
 from cases import Case, build
 
 PROBLEMS = int(os.environ.get("SDPA_MATH_FUZZ_PROBLEMS", "200"))  # fewer under compute-sanitizer
+# Problems before FIRST are drawn (so each problem n is the same) but not run; VERBOSE prints each
+# problem before it runs, so a sanitizer's report can be placed.
+FIRST = int(os.environ.get("SDPA_MATH_FUZZ_FIRST", "0"))
+VERBOSE = os.environ.get("SDPA_MATH_FUZZ_VERBOSE", "0") == "1"
 MASKS = ["none", "float", "float_pad", "float_2d", "bool", "bool_pad", "bool_rows", "neginf_rows", "fmin_rows"]
 DEVICE_DTYPES = {"cpu": [torch.float32, torch.float64, torch.bfloat16, torch.float16],
                  "cuda": [torch.float16, torch.bfloat16, torch.float32, torch.float64]}
@@ -145,6 +149,10 @@ def test_fuzz_problems_then_bad_inputs(device, monkeypatch):
     for n in range(PROBLEMS):
         case = draw_case(rng)
         dtype = rng.choice(DEVICE_DTYPES[device])
+        if n < FIRST:
+            continue
+        if VERBOSE:
+            print(f"problem {n}: {case} {dtype}", flush=True)
         try:
             check_problem(case, dtype, seed=n, device=device)
         except AssertionError as e:  # every mismatch is reported, not only the first

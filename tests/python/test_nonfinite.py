@@ -245,3 +245,29 @@ def test_cuda_nan_score_gives_nan_row_like_the_math_op(name, path, poisoned_outp
     # fp32 arithmetic: scores summed over E on tensor cores (half types) or in fp32 order.
     tol = {torch.float64: 1e-10, torch.float32: 1e-5}.get(dtype, 1e-4)
     torch.testing.assert_close(lse.double(), torch.logsumexp(logits, -1), rtol=tol, atol=tol, equal_nan=True)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device"))])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=IDS)
+def test_dropout_mask_is_read_only_inside_its_rows(device, dtype):
+    # GQA decode (4 query rows, groups of 2 heads) over 235 keys, so the decode kernel's last key
+    # step is partial; the explicit dropout mask is a slice of a wider tensor whose extra columns
+    # are NaN, and must give exactly what its contiguous copy gives. (The CUDA decode kernel read
+    # the mask at keys past the row's end until session 16. Those reads could not change a result,
+    # since a key past the end has weight 0 and any mask value reads as 0 or 1, so this test
+    # passed before the fix too. They were still reads outside the row, and initcheck found them.
+    # The sanitizer stage of scripts/gpu_run.sh over the fuzz problems is what shows them gone.)
+    g = torch.Generator().manual_seed(5)
+    S, pad = 235, 128
+    q = torch.randn(1, 6, 4, 64, generator=g).to(dtype).to(device)
+    k, v = (torch.randn(1, 3, S, 64, generator=g).to(dtype).to(device) for _ in range(2))
+    wide = torch.full((1, 6, 4, S + pad), NAN, dtype=dtype)
+    wide[..., :S] = (torch.rand(1, 6, 4, S, generator=g) < 0.7).to(dtype)
+    sliced = wide.to(device)[..., :S]
+    assert sliced.stride(-2) == S + pad
+    out, probs = sdpa_math.attention(q, k, v, None, 0.3, False, sliced, enable_gqa=True)
+    ref_out, ref_probs = sdpa_math.attention(q, k, v, None, 0.3, False, sliced.contiguous(), enable_gqa=True)
+    assert torch.isfinite(out).all() and torch.isfinite(probs).all()
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    torch.testing.assert_close(probs, ref_probs, rtol=0, atol=0)
