@@ -25,11 +25,15 @@ SHAPES = {  # B, Hq, Hkv, L, S, E, causal
 
 
 def median_ms(fn, reps=30):
+    """GPU time of one call: a spin kernel (about 1 ms) is queued before the start event, so the
+    host's work of issuing the call is hidden and the events measure the GPU's work alone (the
+    benchmark's `--timing gpu`)."""
     for _ in range(5):
         fn()
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(2_000_000)
         a.record()
         fn()
         b.record()

@@ -72,6 +72,19 @@ def test_unmasked_sm90_forward_keeps_registers_out_of_local_memory(sm90_function
         assert not re.search(r"\b(LDL|STL)\b", body), name
 
 
+def test_no_sm90_kernel_has_its_warpgroup_products_serialised(sm90_functions):
+    # When ptxas cannot prove a product's registers safe while it runs (a non-wgmma write of an
+    # accumulator, a product issued on a divergent path: its C7515/C7518 notes), it waits for each
+    # product before the next (a WARPGROUP.DEPBAR after every HGMMA) and the kernel runs at a
+    # fraction of its speed, with correct results. Unserialised, a wait ends a whole group of them.
+    kernels = {n: b for n, b in sm90_functions.items() if re.search(r"\d+(forward|backward)_sm90I", n)}
+    assert len(kernels) == 24
+    for name, body in kernels.items():
+        products = len(re.findall(r"\bHGMMA\.", body))
+        waits = len(re.findall(r"\bWARPGROUP\.DEPBAR\b", body))
+        assert products >= 8 and waits * 2 <= products, f"{name}: {waits} waits for {products} products"
+
+
 def test_every_sm90_backward_kernel_uses_hgmma_tma_and_vector_reductions(sm90_backward):
     assert len(sm90_backward) == 8  # fp16/bf16 x head 64/128 x with or without dO
     for name, body in sm90_backward.items():
