@@ -112,4 +112,9 @@ std::string cpu_isas_available();
 // Throws Error(BackendUnavailable) naming the available levels when `level` is not one of them.
 void set_cpu_isa(const std::string& level);
 
+// How many cuBLAS handles the CUDA backend has created in this process (0 without CUDA). A thread
+// keeps one per device while it lives and returns it to a pool when it ends, so the count grows
+// with the threads using the fp32 CUDA path at one time, not with all threads ever started.
+int64_t cuda_blas_handles_created();
+
 }  // namespace sdpa_math

@@ -42,6 +42,14 @@ bool backend_available(Backend b) {
 #endif
 }
 
+int64_t cuda_blas_handles_created() {
+#ifdef SDPA_MATH_WITH_CUDA
+  return cuda::cublas_handles_created();
+#else
+  return 0;
+#endif
+}
+
 ForwardShapes forward_shapes(const ForwardArgs& args) { return core::make_problem(args).shapes; }
 
 void forward(Backend backend, const ForwardArgs& args, const ForwardOutputs& out, const CudaExecution& cuda) {

@@ -164,7 +164,7 @@ void write_gradient(const Acc* dense, const std::optional<TensorView>& view, cud
   d.numel = view->numel();
   d.dense = view->is_contiguous();
   const int64_t blocks = std::min<int64_t>((d.numel + 255) / 256, 65535);
-  dense_to_view<Acc><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(dense, d);
+  dense_to_view<Acc><<<grid_x(blocks, "gradient conversion"), 256, 0, stream>>>(dense, d);
   check_launch("gradient conversion");
 }
 

@@ -9,5 +9,7 @@ namespace sdpa_math::cuda {
 
 void forward(const core::Problem& p, const ForwardOutputs& out, const CudaExecution& ex);
 void backward(const core::Problem& p, const BackwardArgs& args, const BackwardOutputs& out, const CudaExecution& ex);
+// cuBLAS handles this process has created (gemm_path.cu's pool), for tests.
+int64_t cublas_handles_created();
 
 }  // namespace sdpa_math::cuda

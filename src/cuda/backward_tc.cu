@@ -80,8 +80,8 @@ __global__ void __launch_bounds__(kThreads) delta_from_memory(DevProblem p, floa
 template <typename T>
 void launch_delta_from_memory(const DevProblem& p, float* delta, cudaStream_t stream) {
   const int64_t rows = p.num_lead * p.L;
-  if (p.S >= 1024) delta_from_memory<T, kThreads><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(p, delta);
-  else delta_from_memory<T, 32><<<static_cast<unsigned>((rows + 3) / 4), kThreads, 0, stream>>>(p, delta);
+  if (p.S >= 1024) delta_from_memory<T, kThreads><<<grid_x(rows, "delta"), kThreads, 0, stream>>>(p, delta);
+  else delta_from_memory<T, 32><<<grid_x((rows + 3) / 4, "delta"), kThreads, 0, stream>>>(p, delta);
   check_launch("delta");
 }
 
@@ -324,14 +324,13 @@ void launch_backward(const DevProblem& p, const BackwardBuffers<float>& g, const
   const int64_t key_blocks = (p.S + BN - 1) / BN;
   const int64_t blocks = key_blocks * p.num_lead;
   if (blocks == 0) return;
-  if (blocks > 2147483647LL) throw Error(ErrorCode::CudaFailure, "too many key blocks for one CUDA launch");
   const size_t smem = backward_smem_bytes<T, DT, BN>();
   if (general) {
     set_smem_limit(reinterpret_cast<const void*>(&backward_tc<T, DT, BN, true>), smem);
-    backward_tc<T, DT, BN, true><<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p, g, f, key_blocks);
+    backward_tc<T, DT, BN, true><<<grid_x(blocks, "tensor-core backward"), kThreads, smem, stream>>>(p, g, f, key_blocks);
   } else {
     set_smem_limit(reinterpret_cast<const void*>(&backward_tc<T, DT, BN, false>), smem);
-    backward_tc<T, DT, BN, false><<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p, g, f, key_blocks);
+    backward_tc<T, DT, BN, false><<<grid_x(blocks, "tensor-core backward"), kThreads, smem, stream>>>(p, g, f, key_blocks);
   }
   check_launch("tensor-core backward");
 }
@@ -382,7 +381,6 @@ bool tensor_core_backward(const DevProblem& p, const BackwardBuffers<float>& g, 
   if (rows == 0) return true;
   const bool delta_in_memory = (!p.grad_out.data || p.out.data) && (!p.grad_probs.data || p.probs.data);
   if (delta_in_memory) {
-    if (rows > 2147483647LL) throw Error(ErrorCode::CudaFailure, "too many query rows for one CUDA launch");
     if (p.q.dtype == DType::Float16) launch_delta_from_memory<__half>(p, g.delta, stream);
     else launch_delta_from_memory<__nv_bfloat16>(p, g.delta, stream);
   } else {

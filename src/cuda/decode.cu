@@ -582,18 +582,19 @@ __global__ void __launch_bounds__(kThreads, R == 1 ? 5 : 3) decode_backward(DevP
 template <typename T, int DT>
 void launch_decode(const DevProblem& p, const DecodeWorkspace& w, int64_t chunk, cudaStream_t stream) {
   const int64_t ctas = chunk / w.heads * w.blocks, count = w.heads * p.L;
-  if (ctas > 2147483647LL || chunk * p.L > 2147483647LL) throw Error(ErrorCode::CudaFailure, "too many key blocks for one CUDA launch");
+  // Both grids first, so an oversized problem is refused before either kernel runs.
+  const unsigned partial_grid = grid_x(ctas, "decode blocks");
+  const dim3 finalize_grid(grid_x(chunk * p.L, "decode rows"), grid_yz((p.S + kFinalizeKeys - 1) / kFinalizeKeys, "decode rows"));
   // One row per CTA (MHA decode proper) has kernels of its own: a quarter of the registers.
   auto go = [&](auto kernel, int rows) {
     const size_t smem = sizeof(float) * (count * DT + count * kSplitKeys + kWarps * rows * (2 + DT));
-    kernel<<<static_cast<unsigned>(ctas), kThreads, smem, stream>>>(p, w);
+    kernel<<<partial_grid, kThreads, smem, stream>>>(p, w);
   };
   if (count == 1) plain(p) ? go(decode_partial<T, DT, 1, true>, 1) : go(decode_partial<T, DT, 1, false>, 1);
   else if (plain(p)) go(decode_partial<T, DT, kDecodeMaxRows, true>, kDecodeMaxRows);
   else go(decode_partial<T, DT, kDecodeMaxRows, false>, kDecodeMaxRows);
   check_launch("decode blocks");
-  const dim3 grid(static_cast<unsigned>(chunk * p.L), static_cast<unsigned>((p.S + kFinalizeKeys - 1) / kFinalizeKeys));
-  decode_finalize<<<grid, kFinalizeThreads, 0, stream>>>(p, w);
+  decode_finalize<<<finalize_grid, kFinalizeThreads, 0, stream>>>(p, w);
   check_launch("decode rows");
 }
 
@@ -650,10 +651,10 @@ void launch_backward_for_head(const DevProblem& p, const BackwardBuffers<float>&
   const int64_t head = p.E > p.Ev ? p.E : p.Ev;
   const int64_t heads = decode_heads_per_cta(p), count = heads * p.L;
   const int64_t blocks = (p.S + kSplitKeys - 1) / kSplitKeys, ctas = p.num_lead / heads * blocks;
-  if (ctas > 2147483647LL) throw Error(ErrorCode::CudaFailure, "too many key blocks for one CUDA launch");
+  const unsigned grid = grid_x(ctas, "decode backward");
   auto go = [&](auto kernel, int dt) {
     const size_t smem = sizeof(float) * (2 * count * dt + kWarps * dt);
-    kernel<<<static_cast<unsigned>(ctas), kThreads, smem, stream>>>(p, g, blocks, heads);
+    kernel<<<grid, kThreads, smem, stream>>>(p, g, blocks, heads);
   };
   // One row per CTA: kernels with a quarter of the registers; without mask, causal or dropout:
   // kernels without their branches.

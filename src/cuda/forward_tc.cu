@@ -302,14 +302,13 @@ template <typename T, int DT, int BN>
 void launch_forward(const DevProblem& p, const ForwardFlags& f, bool general, cudaStream_t stream) {
   const int64_t tiles = (p.L + kBM - 1) / kBM;
   const int64_t blocks = tiles * p.num_lead;
-  if (blocks > 2147483647LL) throw Error(ErrorCode::CudaFailure, "too many query tiles for one CUDA launch");
   const size_t smem = forward_smem_bytes<T, DT, BN>();
   if (general) {
     set_smem_limit(reinterpret_cast<const void*>(&forward_tc<T, DT, BN, true>), smem);
-    forward_tc<T, DT, BN, true><<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p, f, tiles);
+    forward_tc<T, DT, BN, true><<<grid_x(blocks, "tensor-core forward"), kThreads, smem, stream>>>(p, f, tiles);
   } else {
     set_smem_limit(reinterpret_cast<const void*>(&forward_tc<T, DT, BN, false>), smem);
-    forward_tc<T, DT, BN, false><<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p, f, tiles);
+    forward_tc<T, DT, BN, false><<<grid_x(blocks, "tensor-core forward"), kThreads, smem, stream>>>(p, f, tiles);
   }
   check_launch("tensor-core forward");
 }

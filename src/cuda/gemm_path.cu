@@ -7,7 +7,9 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <limits>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -24,20 +26,66 @@ void check_cublas(cublasStatus_t status, const char* what) {
     throw Error(ErrorCode::CudaFailure, std::string(what) + ": " + cublasGetStatusString(status));
 }
 
-// One cuBLAS handle per device and host thread (handles are not thread-safe), made on first use
-// and kept for the life of the process; bound to the call's stream. Without a workspace: one
-// handle shared by calls on different streams would otherwise share its workspace across them.
+// cuBLAS handles (not thread-safe): a thread holds one per device while it lives, bound to the
+// call's stream, without a workspace (one handle used on different streams would otherwise share
+// its workspace across them). When the thread ends its handles go back to a process-wide pool,
+// and the next thread takes them from there, so threads that come and go (a thread pool
+// resized, one thread per request) reuse handles instead of leaking one each. Handles are never
+// destroyed: at process exit the CUDA runtime may be gone before a destructor runs.
+class HandlePool {
+ public:
+  static HandlePool& instance() {
+    static HandlePool* pool = new HandlePool;  // never destroyed, see above
+    return *pool;
+  }
+  cublasHandle_t take(int device) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (static_cast<int>(free_.size()) > device && !free_[device].empty()) {
+        cublasHandle_t h = free_[device].back();
+        free_[device].pop_back();
+        return h;
+      }
+    }
+    cublasHandle_t h = nullptr;
+    check_cublas(cublasCreate(&h), "creating a cuBLAS handle");
+    created_.fetch_add(1);
+    if (cublasStatus_t st = cublasSetWorkspace(h, nullptr, 0); st != CUBLAS_STATUS_SUCCESS) {
+      give_back(device, h);
+      check_cublas(st, "setting the cuBLAS workspace");
+    }
+    return h;
+  }
+  void give_back(int device, cublasHandle_t h) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (static_cast<int>(free_.size()) <= device) free_.resize(device + 1);
+    free_[device].push_back(h);
+  }
+  int64_t created() const { return created_.load(); }
+
+ private:
+  std::mutex mutex_;
+  std::vector<std::vector<cublasHandle_t>> free_;  // by device
+  std::atomic<int64_t> created_{0};
+};
+
+// A thread's handles, by device, returned to the pool when the thread ends.
+struct ThreadHandles {
+  std::vector<cublasHandle_t> by_device;
+  ~ThreadHandles() {
+    for (size_t d = 0; d < by_device.size(); ++d)
+      if (by_device[d]) HandlePool::instance().give_back(static_cast<int>(d), by_device[d]);
+  }
+};
+
 cublasHandle_t handle_on(cudaStream_t stream) {
-  thread_local std::vector<cublasHandle_t> handles;
+  thread_local ThreadHandles mine;
   int device = 0;
   check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  if (static_cast<int>(handles.size()) <= device) handles.resize(device + 1, nullptr);
-  if (!handles[device]) {
-    check_cublas(cublasCreate(&handles[device]), "creating a cuBLAS handle");
-    check_cublas(cublasSetWorkspace(handles[device], nullptr, 0), "setting the cuBLAS workspace");
-  }
-  check_cublas(cublasSetStream(handles[device], stream), "binding the cuBLAS handle to the stream");
-  return handles[device];
+  if (static_cast<int>(mine.by_device.size()) <= device) mine.by_device.resize(device + 1, nullptr);
+  if (!mine.by_device[device]) mine.by_device[device] = HandlePool::instance().take(device);
+  check_cublas(cublasSetStream(mine.by_device[device], stream), "binding the cuBLAS handle to the stream");
+  return mine.by_device[device];
 }
 
 // A matrix operand as the batched products read it: the stride between batches and the leading
@@ -190,7 +238,7 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) softmax_grad_rows(DevProbl
 }
 
 unsigned row_blocks(const DevProblem& p) {
-  return static_cast<unsigned>((p.num_lead * p.L + kRowsPerBlock - 1) / kRowsPerBlock);
+  return grid_x((p.num_lead * p.L + kRowsPerBlock - 1) / kRowsPerBlock, "fp32 softmax rows");
 }
 
 // A requested gradient the products can write outright: fp32, contiguous, one row per (head,
@@ -257,5 +305,7 @@ bool gemm_backward(const core::Problem& cp, const DevProblem& p, const BackwardO
   }
   return true;
 }
+
+int64_t cublas_handles_created() { return HandlePool::instance().created(); }
 
 }  // namespace sdpa_math::cuda

@@ -253,10 +253,6 @@ __global__ void __launch_bounds__(kThreads) backward_cols(DevProblem p, Backward
   }
 }
 
-// Grids are one block per row; a grid dimension holds 2^31 - 1 blocks.
-void check_grid(int64_t blocks) {
-  if (blocks > 2147483647LL) throw Error(ErrorCode::CudaFailure, "too many rows for one launch of the generic CUDA path");
-}
 
 }  // namespace
 
@@ -264,10 +260,9 @@ template <typename Acc>
 void generic_forward(const DevProblem& p, cudaStream_t stream) {
   const int64_t blocks = p.num_lead * p.L;
   if (blocks == 0) return;
-  check_grid(blocks);
   const size_t smem = sizeof(Acc) * (region<Acc>(p.E) + kChunk + 2 * kThreads + p.Ev);
   set_smem_limit(reinterpret_cast<const void*>(&forward_rows<Acc>), smem);
-  forward_rows<Acc><<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p);
+  forward_rows<Acc><<<grid_x(blocks, "generic forward"), kThreads, smem, stream>>>(p);
   check_launch("generic forward");
 }
 
@@ -275,16 +270,14 @@ template <typename Acc>
 void generic_backward(const DevProblem& p, const BackwardBuffers<Acc>& g, cudaStream_t stream) {
   const int64_t row_blocks = p.num_lead * p.L;
   if (row_blocks == 0) return;
-  check_grid(row_blocks);
   const size_t smem_rows = sizeof(Acc) * (region<Acc>(p.E) + region<Acc>(p.Ev) + kChunk + kThreads);
   set_smem_limit(reinterpret_cast<const void*>(&backward_rows<Acc>), smem_rows);
-  backward_rows<Acc><<<static_cast<unsigned>(row_blocks), kThreads, smem_rows, stream>>>(p, g);
+  backward_rows<Acc><<<grid_x(row_blocks, "generic backward rows"), kThreads, smem_rows, stream>>>(p, g);
   check_launch("generic backward (rows)");
   const int64_t col_blocks = p.num_lead * p.S;
   if ((g.dk || g.dv) && col_blocks > 0) {
-    check_grid(col_blocks);
     const size_t smem_cols = sizeof(Acc) * 2 * kChunk;
-    backward_cols<Acc><<<static_cast<unsigned>(col_blocks), kThreads, smem_cols, stream>>>(p, g);
+    backward_cols<Acc><<<grid_x(col_blocks, "generic backward columns"), kThreads, smem_cols, stream>>>(p, g);
     check_launch("generic backward (columns)");
   }
 }
@@ -295,10 +288,9 @@ void generic_delta(const DevProblem& p, Acc* delta, cudaStream_t stream) {
   only_delta.delta = delta;
   const int64_t row_blocks = p.num_lead * p.L;
   if (row_blocks == 0) return;
-  check_grid(row_blocks);
   const size_t smem_rows = sizeof(Acc) * (region<Acc>(p.E) + region<Acc>(p.Ev) + kChunk + kThreads);
   set_smem_limit(reinterpret_cast<const void*>(&backward_rows<Acc>), smem_rows);
-  backward_rows<Acc><<<static_cast<unsigned>(row_blocks), kThreads, smem_rows, stream>>>(p, only_delta);
+  backward_rows<Acc><<<grid_x(row_blocks, "generic delta"), kThreads, smem_rows, stream>>>(p, only_delta);
   check_launch("generic backward (delta)");
 }
 

@@ -42,6 +42,22 @@ inline size_t smem_optin_limit() {
   return lowered > 0 && lowered < bytes ? static_cast<size_t>(lowered) : static_cast<size_t>(bytes);
 }
 
+// The x dimension of a grid of `blocks` blocks. CUDA takes at most 2^31 - 1 there (65535 in y
+// and z): a problem that needs more gets an error naming the kernel, before anything runs, and
+// the count never wraps around in a cast. Every launcher sizes its grid through these.
+inline unsigned grid_x(int64_t blocks, const char* kernel) {
+  if (blocks > 2147483647LL)
+    throw Error(ErrorCode::CudaFailure, std::string("too many blocks for one launch of the ") + kernel + " kernel (" +
+                                            std::to_string(blocks) + " > 2^31 - 1)");
+  return static_cast<unsigned>(blocks);
+}
+inline unsigned grid_yz(int64_t blocks, const char* kernel) {
+  if (blocks > 65535)
+    throw Error(ErrorCode::CudaFailure, std::string("too many blocks in the second grid dimension of the ") + kernel +
+                                            " kernel (" + std::to_string(blocks) + " > 65535)");
+  return static_cast<unsigned>(blocks);
+}
+
 // Kernels using more than 48 KB of dynamic shared memory must opt in.
 inline void set_smem_limit(const void* kernel, size_t bytes) {
   if (bytes > 48 * 1024)

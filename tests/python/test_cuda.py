@@ -155,6 +155,24 @@ def test_long_rows_past_2_pow_31_elements_per_batch_index_do_not_wrap():
         torch.testing.assert_close(out[:, h:h + 1, rows], o_ref, rtol=0, atol=0)
 
 
+def test_grid_past_2_pow_31_blocks_is_refused_with_an_error():
+    """The generic (float64) forward takes one block per query row: 2^31 + 8 rows need more blocks
+    than a grid holds. The launcher refuses with an error naming the kernel; the count used to be
+    cast to unsigned, which would wrap around to 8 blocks and leave the other rows unwritten. The
+    query is one row expanded (no memory); the outputs the binding allocates take 51 GB."""
+    free, _ = torch.cuda.mem_get_info()
+    if free < 60 * 2**30:
+        pytest.skip("needs 60 GB of free device memory")
+    rows = 2**31 + 8
+    q = torch.ones(1, 1, 1, 1, device="cuda", dtype=torch.float64).expand(1, 1, rows, 1)
+    k = v = torch.ones(1, 1, 1, 1, device="cuda", dtype=torch.float64)
+    with pytest.raises(RuntimeError, match=r"too many blocks for one launch of the generic forward kernel"):
+        sdpa_math.attention(q, k, v)
+    torch.cuda.empty_cache()
+    out, probs = sdpa_math.attention(q[..., :3, :], k, v)  # the device still works
+    assert torch.equal(probs.cpu(), torch.ones(1, 1, 3, 1, dtype=torch.float64))
+
+
 def test_override_takes_cuda_calls_with_grad():
     args, kwargs = build(Case(hq=4, hkv=4, L=33, S=40, E=64, Ev=64, mask="float_pad"), torch.float16, seed=3,
                          device="cuda")

@@ -245,6 +245,7 @@ std::string cpu_isas_available() { return sdpa_math::cpu_isas_available(); }
 void set_cpu_isa(const std::string& level) {
   checked([&] { sdpa_math::set_cpu_isa(level); });
 }
+int64_t cuda_blas_handles_created() { return sdpa_math::cuda_blas_handles_created(); }
 
 }  // namespace
 
@@ -261,6 +262,7 @@ TORCH_LIBRARY(sdpa_math, m) {
   m.def("cpu_isa() -> str", &cpu_isa);
   m.def("cpu_isas_available() -> str", &cpu_isas_available);
   m.def("set_cpu_isa(str level) -> ()", &set_cpu_isa);
+  m.def("cuda_blas_handles_created() -> int", &cuda_blas_handles_created);
   m.def(
       "forward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, float dropout_p, bool is_causal, "
       "Tensor? dropout_mask, float? scale, bool enable_gqa, Tensor? rng) "

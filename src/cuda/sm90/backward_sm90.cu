@@ -430,18 +430,19 @@ void launch(const CUtensorMap (&maps)[7], const DevProblem& p, const Args& a, co
             cudaStream_t stream) {
   const int64_t key_blocks = (p.S + kBN - 1) / kBN;
   const int64_t blocks = key_blocks * a.kv_leads;
-  if (blocks > 2147483647LL || a.group * a.q_tiles > 2147483647LL)
-    throw Error(ErrorCode::CudaFailure, "too many key blocks or query tiles for one CUDA launch");
+  // Both grids first, so an oversized problem is refused before either kernel runs; the kernel
+  // indexes a group's query tiles with an int.
+  const unsigned grid = grid_x(blocks, "sm90 backward");
+  const unsigned dq_grid = grid_x(out.dq ? p.num_lead * a.q_tiles : 0, "sm90 dQ conversion");
+  if (a.group * a.q_tiles > 2147483647LL)
+    throw Error(ErrorCode::CudaFailure, "too many query tiles in one GQA group for the sm90 backward");
   const auto kernel = a.has_do ? &backward_sm90<T, D, true> : &backward_sm90<T, D, false>;
   set_smem_limit(reinterpret_cast<const void*>(kernel), Tiles<D>::kSmem);
-  kernel<<<static_cast<unsigned>(blocks), kThreads, Tiles<D>::kSmem, stream>>>(maps[0], maps[1], maps[2], maps[3],
-                                                                             maps[4], maps[5], maps[6], p, a);
+  kernel<<<grid, kThreads, Tiles<D>::kSmem, stream>>>(maps[0], maps[1], maps[2], maps[3], maps[4], maps[5], maps[6], p,
+                                                     a);
   check_launch("sm90 backward");
   if (out.dq) {
-    const int64_t tiles = p.num_lead * a.q_tiles;
-    if (tiles > 2147483647LL) throw Error(ErrorCode::CudaFailure, "too many query tiles for one CUDA launch");
-    dq_from_fragments<T, D><<<static_cast<unsigned>(tiles), 256, 0, stream>>>(p, a.dq_acc, static_cast<T*>(out.dq),
-                                                                            a.scale, a.q_tiles);
+    dq_from_fragments<T, D><<<dq_grid, 256, 0, stream>>>(p, a.dq_acc, static_cast<T*>(out.dq), a.scale, a.q_tiles);
     check_launch("sm90 dQ conversion");
   }
 }
@@ -486,10 +487,10 @@ bool backward_for(const DevProblem& p, const BackwardTargets& out, float* worksp
                                   rows_vectorizable(p.probs, p.lead_ndim, p.S, 2, 8)));
   // 8 warps a block; four rows a warp without dP_ext.
   const int64_t delta_blocks = a.has_dp ? (rows + 7) / 8 : (rows + 31) / 32;
-  if (delta_blocks > 2147483647LL) throw Error(ErrorCode::CudaFailure, "too many rows for one CUDA launch");
+  const unsigned delta_grid = grid_x(delta_blocks, "sm90 delta");
   const auto delta_kernel = a.has_dp ? (vec ? &delta_rows<T, true, 1> : &delta_rows<T, false, 1>)
                                      : (vec ? &delta_rows<T, true, 4> : &delta_rows<T, false, 4>);
-  delta_kernel<<<static_cast<unsigned>(delta_blocks), 256, 0, stream>>>(p, delta, a.q_tiles);
+  delta_kernel<<<delta_grid, 256, 0, stream>>>(p, delta, a.q_tiles);
   check_launch("sm90 delta");
   if (D == 64) launch<T, 64>(maps, p, a, out, stream);
   else launch<T, 128>(maps, p, a, out, stream);

@@ -448,10 +448,10 @@ void launch(const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& v, co
             const DevProblem& p, const Args& a, cudaStream_t stream) {
   const int64_t tiles = (p.L + kBM - 1) / kBM;
   const int64_t blocks = tiles * p.num_lead;
-  if (blocks > 2147483647LL) throw Error(ErrorCode::CudaFailure, "too many query tiles for one CUDA launch");
+  const unsigned grid = grid_x(blocks, "sm90 forward");
   const auto kernel = &forward_sm90<T, D, MASK>;
   set_smem_limit(reinterpret_cast<const void*>(kernel), Tiles<D>::kSmem);
-  kernel<<<static_cast<unsigned>(blocks), kThreads, Tiles<D>::kSmem, stream>>>(q, k, v, pm, p, a, tiles);
+  kernel<<<grid, kThreads, Tiles<D>::kSmem, stream>>>(q, k, v, pm, p, a, tiles);
   check_launch("sm90 forward");
 }
 
