@@ -83,6 +83,19 @@ struct BackwardOutputs {
   std::optional<TensorView> grad_attn_mask;
 };
 
+// Statistics of the map P = softmax(scale QKᵀ + mask) without writing P (docs/statistics.md):
+// the forward's O and lse, and any of
+//   col_sum     (*batch, Hq, S): Σ_i P_ij, per query head;
+//   row_entropy (*batch, Hq, L): −Σ_j P_ij log P_ij (0 log 0 = 0; a fully masked row gives 0, a
+//                NaN row NaN).
+// Both float32 or float64. Dropout is refused: these are statistics of the dropout-free map.
+struct StatsOutputs {
+  TensorView output;     // as ForwardOutputs::output
+  TensorView logsumexp;  // as ForwardOutputs::logsumexp
+  std::optional<TensorView> col_sum;
+  std::optional<TensorView> row_entropy;
+};
+
 // How the CUDA backend runs a call: on which stream, and where it borrows scratch memory
 // (the binding passes PyTorch's current stream and caching allocator). Ignored by CPU backends.
 struct CudaExecution {
@@ -97,6 +110,10 @@ ForwardShapes forward_shapes(const ForwardArgs& args);
 // Validate everything first, then compute. Nothing is written when validation fails.
 void forward(Backend backend, const ForwardArgs& args, const ForwardOutputs& out, const CudaExecution& cuda = {});
 void backward(Backend backend, const BackwardArgs& args, const BackwardOutputs& out, const CudaExecution& cuda = {});
+// Validates like forward (and refuses dropout), then computes O, lse and the statistics asked
+// for. The Reference and CPU backends have it; CUDA raises BackendUnavailable (for now the
+// Python package computes CUDA statistics from chunks of P instead).
+void forward_stats(Backend backend, const ForwardArgs& args, const StatsOutputs& out, const CudaExecution& cuda = {});
 
 // Threads used by the CPU backend (0 = OpenMP's default).
 void set_cpu_threads(int n);

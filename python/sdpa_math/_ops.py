@@ -69,6 +69,19 @@ def _forward_fake(query, key, value, attn_mask, dropout_p, is_causal, dropout_ma
     )
 
 
+@torch.library.register_fake("sdpa_math::forward_stats")
+def _forward_stats_fake(query, key, value, attn_mask, is_causal, scale, enable_gqa, col_sum, row_entropy):
+    lead = _lead_shape(query, key, value, enable_gqa)
+    L, S, Ev = query.shape[-2], key.shape[-2], value.shape[-1]
+    stat = torch.float64 if query.dtype == torch.float64 else torch.float32
+    return (
+        query.new_empty((*lead, L, Ev)),
+        query.new_empty((*lead, L), dtype=stat),
+        query.new_empty((*lead, S) if col_sum else (0,), dtype=stat),
+        query.new_empty((*lead, L) if row_entropy else (0,), dtype=stat),
+    )
+
+
 @torch.library.register_fake("sdpa_math::backward")
 def _backward_fake(grad_output, grad_probs, query, key, value, attn_mask, logsumexp, output, attn_probs, dropout_p, is_causal,
                    dropout_mask, scale, enable_gqa, rng, output_mask):

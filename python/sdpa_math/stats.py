@@ -1,7 +1,10 @@
-"""Statistics of the probability map P without holding all of it (level 2 of issue 16).
+"""Statistics of the probability map P without holding all of it (issue 16).
 
-attention_stats() runs sdpa_math.attention on chunks of query rows, reduces each chunk's P to
-the statistics asked for, and drops it. With gradients, each chunk runs under
+Two ways, the same numbers (docs/statistics.md). Column sums and row entropy on the CPU, with no
+gradient wanted, come from one fused operator (torch.ops.sdpa_math.forward_stats, src/cpu/stats.cpp)
+that reduces each row of P in cache and never writes it: extra memory O(B·H·(L + S)). Everything
+else runs sdpa_math.attention on chunks of query rows, reduces each chunk's P to the statistics
+asked for, and drops it. With gradients, each chunk runs under
 torch.utils.checkpoint (use_reentrant=False), so the graph keeps the chunk's inputs (views of
 the caller's tensors and two integers) instead of its P, and backward recomputes one chunk's P
 at a time: peak memory is O(chunk_rows * S) per head, and nothing P-sized outlives the forward.
@@ -15,6 +18,7 @@ import math
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from ._ops import ops
 from .api import attention
 
 __all__ = ["attention_stats", "default_chunk_rows", "COL_SUM_MODES", "CHUNK_BYTES"]
@@ -62,7 +66,7 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     col_sum: str | None = None, visible_normalized: bool = False,
                     row_entropy: bool = False, head_mean: bool = False,
                     rows: slice | None = None, kl_to: torch.Tensor | None = None,
-                    chunk_rows: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                    chunk_rows: int | None = None, method: str = "auto") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Returns (out, stats): O of sdpa_math.attention and the statistics of P asked for.
 
     Arguments up to enable_gqa are sdpa_math.attention's (dropout_p must be 0). P is the map
@@ -82,6 +86,9 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     kl_to: a reference map broadcastable to P's shape -> (*lead, L),
         sum_j Pref log(Pref / P) (terms with Pref = 0 are 0; +inf where Pref > 0 and P = 0).
     chunk_rows: query rows per chunk; default: a chunk's P is at most 64 MiB.
+    method: "auto" (the fused operator where it applies, else chunks), "fused" (raises
+        ValueError where it does not apply: CUDA inputs, a gradient wanted, or a statistic other
+        than col_sum and row_entropy asked for), "chunks" (always the chunked composition).
 
     Every output is differentiable through q, k, v and a float mask (and kl_to's reference).
     """
@@ -93,6 +100,8 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         raise ValueError(f"attention_stats: col_sum must be None or one of {COL_SUM_MODES}, got {col_sum!r}")
     if visible_normalized and col_sum is None:
         raise ValueError("attention_stats: visible_normalized=True needs col_sum")
+    if method not in ("auto", "fused", "chunks"):
+        raise ValueError(f"attention_stats: method must be 'auto', 'fused' or 'chunks', got {method!r}")
     if chunk_rows is not None and (not isinstance(chunk_rows, int) or isinstance(chunk_rows, bool) or chunk_rows < 1):
         raise ValueError(f"attention_stats: chunk_rows must be a positive int, got {chunk_rows!r}")
 
@@ -138,7 +147,23 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     use_checkpoint = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
     outs, cols, ents, kls, heads, picked = [], [], [], [], [], []
-    for i0, i1 in bounds:
+    fused_applies = (query.device.type == "cpu" and not use_checkpoint and (col_sum is not None or row_entropy)
+                     and win is None and not head_mean and kl_to is None)
+    if method == "fused" and not fused_applies:
+        raise ValueError("attention_stats: method='fused' takes col_sum and/or row_entropy of CPU inputs with no "
+                         "gradient wanted; use method='auto' for the chunked composition elsewhere")
+    if fused_applies and method != "chunks":
+        o, _, cs_rows, ent_rows = ops.forward_stats(query, key, value, attn_mask, is_causal, scale, enable_gqa,
+                                                    col_sum is not None, row_entropy)
+        outs.append(o)
+        if col_sum is not None:
+            cols.append(cs_rows)
+        if row_entropy:
+            ents.append(ent_rows)
+        bounds_to_run = []
+    else:
+        bounds_to_run = bounds
+    for i0, i1 in bounds_to_run:
         sl = _window_in_chunk(win, i0, i1) if win is not None else None
 
         def chunk(q_c, k, v, m_c, ref_c, i0=i0, i1=i1, sl=sl):

@@ -82,4 +82,19 @@ void backward(Backend backend, const BackwardArgs& args, const BackwardOutputs& 
     cpu::backward(p, args, out);
 }
 
+void forward_stats(Backend backend, const ForwardArgs& args, const StatsOutputs& out, const CudaExecution& cuda) {
+  (void)cuda;
+  const core::Problem p = core::make_problem(args);
+  core::check_stats_outputs(p, out);
+  check_backend(backend, p);
+  if (backend == Backend::Cuda)
+    throw Error(ErrorCode::BackendUnavailable,
+                "attention statistics without P have no CUDA kernel yet (sdpa_math.stats.attention_stats computes them "
+                "from chunks of P on CUDA)");
+  if (backend == Backend::Reference || p.dtype == DType::Float64)
+    reference::forward_stats(p, out);
+  else
+    cpu::forward_stats(p, out);
+}
+
 }  // namespace sdpa_math

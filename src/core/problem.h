@@ -75,6 +75,7 @@ Operand output_operand(const Problem& p, const TensorView& v, bool has_cols);
 // Validation: the one place where the contract's errors are raised.
 Problem make_problem(const ForwardArgs& args);
 void check_forward_outputs(const Problem& p, const ForwardOutputs& out);
+void check_stats_outputs(const Problem& p, const StatsOutputs& out);  // and refuses dropout
 void check_backward(const Problem& p, const BackwardArgs& args, const BackwardOutputs& out);
 
 }  // namespace sdpa_math::core

@@ -288,6 +288,21 @@ void check_forward_outputs(const Problem& p, const ForwardOutputs& out) {
   check_view(out.logsumexp, "logsumexp", p.shapes.logsumexp, true, dev, ErrorCode::BadOutput);
 }
 
+void check_stats_outputs(const Problem& p, const StatsOutputs& out) {
+  if (p.dropout != DropoutMode::None)
+    fail(ErrorCode::DropoutProbability, "attention statistics are those of the dropout-free map P; dropout_p must be 0, got ",
+         p.dropout_p);
+  const Device dev = p.device;
+  check_view(out.output, "output", p.shapes.output, false, dev, ErrorCode::BadOutput);
+  check_view(out.logsumexp, "logsumexp", p.shapes.logsumexp, true, dev, ErrorCode::BadOutput);
+  if (out.col_sum) {
+    Shape cols = p.shapes.logsumexp;  // (*lead, L) -> (*lead, S)
+    cols.dims[cols.ndim - 1] = p.S;
+    check_view(*out.col_sum, "col_sum", cols, true, dev, ErrorCode::BadOutput);
+  }
+  if (out.row_entropy) check_view(*out.row_entropy, "row_entropy", p.shapes.logsumexp, true, dev, ErrorCode::BadOutput);
+}
+
 void check_backward(const Problem& p, const BackwardArgs& a, const BackwardOutputs& out) {
   const Device dev = p.device;
   check_view(a.logsumexp, "logsumexp", p.shapes.logsumexp, true, dev, ErrorCode::BadGradient);

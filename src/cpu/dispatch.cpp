@@ -117,5 +117,17 @@ void backward(const core::Problem& p, const BackwardArgs& args, const BackwardOu
   }
 }
 
+void forward_stats(const core::Problem& p, const StatsOutputs& out) {
+  switch (level()) {
+#if defined(SDPA_MATH_CPU_HAS_AVX512)
+    case Level::Avx512: return avx512::forward_stats(p, out);
+#endif
+#if defined(SDPA_MATH_CPU_HAS_AVX2)
+    case Level::Avx2: return avx2::forward_stats(p, out);
+#endif
+    default: return baseline::forward_stats(p, out);
+  }
+}
+
 }  // namespace cpu
 }  // namespace sdpa_math

@@ -13,12 +13,16 @@ namespace sdpa_math::cpu {
 
 void forward(const core::Problem& p, const ForwardOutputs& out);
 void backward(const core::Problem& p, const BackwardArgs& args, const BackwardOutputs& out);
+// Statistics of P without writing it (stats.cpp); no dropout (validated before).
+void forward_stats(const core::Problem& p, const StatsOutputs& out);
 
-// Each level's copy of the entry points (defined in forward.cpp and backward.cpp compiled for it).
+// Each level's copy of the entry points (defined in forward.cpp, backward.cpp and stats.cpp compiled
+// for it).
 #define SDPA_MATH_CPU_DECLARE_LEVEL(level)                                                           \
   namespace level {                                                                                  \
   void forward(const core::Problem& p, const ForwardOutputs& out);                                   \
   void backward(const core::Problem& p, const BackwardArgs& args, const BackwardOutputs& out);       \
+  void forward_stats(const core::Problem& p, const StatsOutputs& out);                               \
   }
 SDPA_MATH_CPU_DECLARE_LEVEL(avx512)
 SDPA_MATH_CPU_DECLARE_LEVEL(avx2)

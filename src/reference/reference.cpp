@@ -1,5 +1,6 @@
 #include "reference.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -119,6 +120,42 @@ void forward(const Problem& p, const ForwardOutputs& out) {
       }
       core::store_from_double(lse.dtype, out.logsumexp.data, l_base + i * lse.row_stride, r.lse);
     }
+  }
+}
+
+// The statistics straight from their definitions (attention.h, StatsOutputs) on each row's P.
+void forward_stats(const Problem& p, const StatsOutputs& out) {
+  const Operand O = core::output_operand(p, out.output, true);
+  const Operand lse = core::output_operand(p, out.logsumexp, false);
+  const Operand cs = out.col_sum ? core::output_operand(p, *out.col_sum, false) : Operand{};
+  const Operand ent = out.row_entropy ? core::output_operand(p, *out.row_entropy, false) : Operand{};
+  Row r;
+  std::vector<double> cols(p.S);
+  for (int64_t lead = 0; lead < p.num_lead; ++lead) {
+    const HeadOffsets h = head_offsets(p, lead);
+    const int64_t o_base = core::lead_offset(p, O, lead), l_base = core::lead_offset(p, lse, lead);
+    std::fill(cols.begin(), cols.end(), 0.0);
+    for (int64_t i = 0; i < p.L; ++i) {
+      compute_row(p, lead, h, i, r);  // no dropout here: P = W = A
+      for (int64_t e = 0; e < p.Ev; ++e) {
+        double acc = 0.0;
+        for (int64_t j = 0; j < p.S; ++j) acc += r.W[j] * at(p.value, h.v, j, e);
+        core::store_from_double(O.dtype, out.output.data, o_base + i * O.row_stride + e * O.col_stride, acc);
+      }
+      core::store_from_double(lse.dtype, out.logsumexp.data, l_base + i * lse.row_stride, r.lse);
+      double entropy = 0.0;
+      for (int64_t j = 0; j < p.S; ++j) {
+        cols[j] += r.P[j];
+        if (r.P[j] > 0.0) entropy -= r.P[j] * std::log(r.P[j]);
+      }
+      if (std::isnan(r.lse)) entropy = r.lse;  // a NaN row (its P is NaN throughout)
+      if (out.row_entropy)
+        core::store_from_double(ent.dtype, out.row_entropy->data, core::lead_offset(p, ent, lead) + i * ent.row_stride,
+                                entropy);
+    }
+    if (out.col_sum)
+      for (int64_t j = 0; j < p.S; ++j)
+        core::store_from_double(cs.dtype, out.col_sum->data, core::lead_offset(p, cs, lead) + j * cs.row_stride, cols[j]);
   }
 }
 

@@ -8,5 +8,6 @@ namespace sdpa_math::reference {
 
 void forward(const core::Problem& p, const ForwardOutputs& out);
 void backward(const core::Problem& p, const BackwardArgs& args, const BackwardOutputs& out);
+void forward_stats(const core::Problem& p, const StatsOutputs& out);
 
 }  // namespace sdpa_math::reference

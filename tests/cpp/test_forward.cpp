@@ -316,5 +316,95 @@ TEST_P(CpuForward, MatchesReference) {
 INSTANTIATE_TEST_SUITE_P(Cases, CpuForward, ::testing::ValuesIn(forward_cases()),
                          [](const ::testing::TestParamInfo<Case>& info) { return info.param.name(); });
 
+// Statistics without P (forward_stats): the reference's equal P's own column sums and entropy;
+// the CPU's equal the reference's. The CPU computes P in fp32 (relative error ~1e-6 an element)
+// and reduces in fp64, so both statistics stay within 1e-5 relative of the float64 reference
+// even for fp16/bf16 inputs (P is never rounded to them).
+struct Stats {
+  Tensor o, lse, col_sum, row_entropy;
+  StatsOutputs views() const { return {o.view, lse.view, col_sum.view, row_entropy.view}; }
+};
+
+Stats run_stats(Backend backend, const ForwardArgs& args, DType out_dtype, DType stat_dtype) {
+  const ForwardShapes s = forward_shapes(args);
+  Shape cols = s.logsumexp;
+  cols.dims[cols.ndim - 1] = s.attn_probs.dims[s.attn_probs.ndim - 1];
+  Stats out{empty_tensor(out_dtype, s.output), empty_tensor(stat_dtype, s.logsumexp), empty_tensor(stat_dtype, cols),
+            empty_tensor(stat_dtype, s.logsumexp)};
+  forward_stats(backend, args, out.views());
+  return out;
+}
+
+class CpuStats : public ::testing::TestWithParam<Case> {};
+
+TEST_P(CpuStats, ReferenceIsPsOwnSumsAndCpuMatchesIt) {
+  const Case& c = GetParam();
+  if (c.dropout != DropoutKind::None) GTEST_SKIP() << "statistics are of the dropout-free map";
+  Built b = build(c);
+  Outputs full = run(Backend::Reference, b.args, DType::Float64, DType::Float64);
+  Stats ref = run_stats(Backend::Reference, b.args, DType::Float64, DType::Float64);
+  const ForwardShapes s = forward_shapes(b.args);
+  const int64_t S = s.attn_probs.dims[s.attn_probs.ndim - 1], L = s.attn_probs.dims[s.attn_probs.ndim - 2];
+  const int64_t heads = L * S > 0 ? s.attn_probs.numel() / (L * S) : 0;
+  const std::vector<double> P = read(full.p.view), cs = read(ref.col_sum.view), ent = read(ref.row_entropy.view);
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t j = 0; j < S; ++j) {
+      double sum = 0;
+      for (int64_t i = 0; i < L; ++i) sum += P[(h * L + i) * S + j];
+      ASSERT_NEAR(cs[h * S + j], sum, 1e-12 * (1 + std::abs(sum))) << "head " << h << " key " << j;
+    }
+    for (int64_t i = 0; i < L; ++i) {
+      double e = 0;
+      for (int64_t j = 0; j < S; ++j) {
+        const double x = P[(h * L + i) * S + j];
+        if (x > 0) e -= x * std::log(x);
+      }
+      ASSERT_NEAR(ent[h * L + i], e, 1e-12 * (1 + std::abs(e))) << "head " << h << " row " << i;
+    }
+  }
+  EXPECT_EQ(read(ref.o.view), read(full.o.view));
+  Stats cpu = run_stats(Backend::Cpu, b.args, c.dtype, DType::Float32);
+  const std::vector<double> V = read(b.v.view);
+  Errors eo = compare(read(cpu.o.view), read(ref.o.view), unit_roundoff(c.dtype), 3e-5 * std::max(max_abs(V), 1e-30));
+  EXPECT_EQ(eo.bad, 0) << "O: " << describe(eo);
+  Errors el = compare(read(cpu.lse.view), read(ref.lse.view), 1e-5, 1e-5);
+  EXPECT_EQ(el.bad, 0) << "lse: " << describe(el);
+  Errors ec = compare(read(cpu.col_sum.view), cs, 1e-5, 1e-6);
+  EXPECT_EQ(ec.bad, 0) << "col_sum: " << describe(ec);
+  EXPECT_LE(ec.rel_frobenius, 1e-5);
+  Errors ee = compare(read(cpu.row_entropy.view), ent, 1e-5, 1e-6);
+  EXPECT_EQ(ee.bad, 0) << "row_entropy: " << describe(ee);
+  EXPECT_LE(ee.rel_frobenius, 1e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, CpuStats, ::testing::ValuesIn(forward_cases()),
+                         [](const ::testing::TestParamInfo<Case>& info) { return info.param.name(); });
+
+TEST(StatsValidation, DropoutIsRefusedBeforeAnythingIsWritten) {
+  Case c;
+  c.dtype = DType::Float32;
+  c.dropout = DropoutKind::Random;
+  Built b = build(c);
+  const ForwardShapes s = forward_shapes(b.args);
+  Shape cols = s.logsumexp;
+  cols.dims[cols.ndim - 1] = s.attn_probs.dims[s.attn_probs.ndim - 1];
+  Stats out{empty_tensor(DType::Float32, s.output), empty_tensor(DType::Float32, s.logsumexp),
+            empty_tensor(DType::Float32, cols), empty_tensor(DType::Float32, s.logsumexp)};
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  for (const Tensor* t : {&out.o, &out.lse, &out.col_sum, &out.row_entropy})
+    write(t->view, std::vector<double>(t->view.numel(), nan));
+  for (Backend be : {Backend::Reference, Backend::Cpu}) {
+    try {
+      forward_stats(be, b.args, out.views());
+      ADD_FAILURE() << "no error from " << backend_name(be);
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::DropoutProbability) << e.what();
+      EXPECT_NE(std::string(e.what()).find("dropout-free"), std::string::npos) << e.what();
+    }
+  }
+  for (const Tensor* t : {&out.o, &out.lse, &out.col_sum, &out.row_entropy})
+    for (double x : read(t->view)) ASSERT_TRUE(std::isnan(x));
+}
+
 }  // namespace
 }  // namespace sdpa_math::testing

@@ -18,6 +18,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "sdpa_math/attention.h"
 
@@ -173,6 +174,41 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_kernel(
   });
 }
 
+// Statistics of P without writing it (sdpa_math::forward_stats; the CPU backend has it, CUDA
+// raises BackendUnavailable). Returns (output, logsumexp, col_sum, row_entropy) with the
+// statistics in float32 (float64 for float64 inputs); one not asked for comes back as an empty
+// tensor of shape (0,). No dropout and no autograd: python/sdpa_math/stats.py calls it only
+// when no gradient is wanted.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_stats_kernel(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask, bool is_causal,
+    std::optional<double> scale, bool enable_gqa, bool col_sum, bool row_entropy) {
+  return checked([&] {
+    const at::OptionalDeviceGuard guard(at::device_of(q));  // see on_tensors_device
+    const sdpa_math::ForwardArgs a =
+        forward_args(q, k, v, mask, 0.0, is_causal, std::nullopt, scale, enable_gqa, std::nullopt);
+    const sdpa_math::ForwardShapes s = sdpa_math::forward_shapes(a);
+    const auto stat_dtype = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+    at::Tensor out = at::empty(dims(s.output), q.options());
+    at::Tensor lse = at::empty(dims(s.logsumexp), q.options().dtype(stat_dtype));
+    sdpa_math::StatsOutputs o{view_of(out), view_of(lse), std::nullopt, std::nullopt};
+    at::Tensor cs, ent;
+    if (col_sum) {
+      std::vector<int64_t> cs_dims = dims(s.logsumexp);  // (*lead, L) -> (*lead, S)
+      cs_dims.back() = s.attn_probs.dims[s.attn_probs.ndim - 1];
+      cs = at::empty(cs_dims, q.options().dtype(stat_dtype));
+      o.col_sum = view_of(cs);
+    }
+    if (row_entropy) {
+      ent = at::empty(dims(s.logsumexp), q.options().dtype(stat_dtype));
+      o.row_entropy = view_of(ent);
+    }
+    poison({&out, &lse, &cs, &ent});
+    sdpa_math::forward_stats(backend_for(q), a, o, cuda_execution(q));
+    auto or_empty = [&](const at::Tensor& t) { return t.defined() ? t : at::empty({0}, q.options().dtype(stat_dtype)); };
+    return std::make_tuple(out, lse, or_empty(cs), or_empty(ent));
+  });
+}
+
 // torch.use_deterministic_algorithms(True): the CUDA kernels add dQ (and dK and dV where heads
 // share key rows) with float atomics whose order changes from run to run, and the CPU threads add
 // what several tasks share — dK and dV of K/V rows that GQA or broadcasting gives to several
@@ -272,17 +308,23 @@ TORCH_LIBRARY(sdpa_math, m) {
       "Tensor logsumexp, Tensor? output, Tensor? attn_probs, float dropout_p, bool is_causal, Tensor? dropout_mask, float? scale, bool enable_gqa, "
       "Tensor? rng, bool[4] output_mask) "
       "-> (Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_attn_mask)");
+  m.def(
+      "forward_stats(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, bool is_causal, float? scale, "
+      "bool enable_gqa, bool col_sum, bool row_entropy) "
+      "-> (Tensor output, Tensor logsumexp, Tensor col_sum, Tensor row_entropy)");
 }
 
 TORCH_LIBRARY_IMPL(sdpa_math, CPU, m) {
   m.impl("forward", &forward_kernel);
   m.impl("backward", &backward_kernel);
+  m.impl("forward_stats", &forward_stats_kernel);
 }
 
 #ifdef SDPA_MATH_WITH_CUDA
 TORCH_LIBRARY_IMPL(sdpa_math, CUDA, m) {
   m.impl("forward", &forward_kernel);
   m.impl("backward", &backward_kernel);
+  m.impl("forward_stats", &forward_stats_kernel);
 }
 #else
 // A build without a CUDA compiler: CUDA tensors get this instead of the dispatcher's "could not
@@ -294,5 +336,6 @@ void cuda_not_built(const c10::OperatorHandle& op, torch::jit::Stack*) {
 TORCH_LIBRARY_IMPL(sdpa_math, CUDA, m) {
   m.impl("forward", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
   m.impl("backward", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
+  m.impl("forward_stats", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
 }
 #endif
