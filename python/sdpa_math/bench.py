@@ -2,6 +2,7 @@
 
     python -m sdpa_math.bench run  [--device cpu|cuda] [--set NAME] [--dtypes ...] [--out DIR]
     python -m sdpa_math.bench gate RUN.json BASELINE.json [--threshold F] [--subset]
+    python -m sdpa_math.bench stats [--device cpu|cuda] [--set NAME] [--dtypes ...] [--out DIR]
 
 `run` times, in one process and on one device, forward (O, P) and forward+backward through both
 outputs (random dO and dP) of:
@@ -28,6 +29,11 @@ variants real models pass (`variants`: a (B, 1, L, S) float mask, a (B, 1, 1, S)
 bool mask, q/k/v as transposed views of (B, L, H, E); rows named `<base>_fmask`, `<base>_kpad`,
 `<base>_blhe`), alone with their base row or appended to the anchors (`anchors+variants`) or the
 CPU set (`cpu+variants`).
+
+`stats` times the statistics-only forward (column sums and row entropy per head, no gradient) of
+sdpa_math.stats.attention_stats against the same statistics from the math op's P, from compiled
+eager attention (CUDA) and flash attention's forward without P, with each one's error against
+float64; it writes stats.json and stats.md (issue 16).
 
 `gate` compares a run with a committed baseline of the same device profile and prints
 `FAIL n · WARN n` (and `NEW n` for rows the baseline lacks, which it does not judge): it judges
@@ -788,6 +794,132 @@ def gate(run, baseline, threshold, current_hash=None, subset=False):
 # Command line
 
 
+# ---------------------------------------------------------------------------------------------
+# Statistics of P (issue 16): column sums and row entropy per head, forward only, no gradient.
+
+STATS_COLUMNS = ["ours", "chunks", "native", "compiled", "flash"]
+
+
+def _reduce_stats(P):
+    """col_sum (Σ_i P) and row_entropy (−Σ P log P) of a map, in fp32, as a user writes them."""
+    pf = P.float()
+    return pf.sum(-2), -(pf * torch.log(torch.where(pf > 0, pf, torch.ones_like(pf)))).sum(-1)
+
+
+def stats_impls(device):
+    """name -> fn(q, k, v, s, scale): the statistics-only forward by each way a user has.
+      ours     sdpa_math.stats.attention_stats (the fused operator on the CPU; chunks on CUDA)
+      chunks   the same with method="chunks" (chunks of P, each reduced and dropped)
+      native   the math op's P, then the reductions
+      compiled torch.compile of eager attention's P and the reductions (CUDA only: on the CPU its
+               compile takes minutes per shape)
+      flash    PyTorch's fused kernel without P or statistics: the speed of light"""
+    from .stats import attention_stats
+
+    def ours(q, k, v, s, scale, method="auto"):
+        return attention_stats(q, k, v, is_causal=s.causal, scale=scale, enable_gqa=s.Hq != s.Hkv,
+                               col_sum="per_head", row_entropy=True, method=method)
+
+    def native(q, k, v, s, scale):
+        _, P = aten_math(q, k, v, is_causal=s.causal, scale=scale, enable_gqa=s.Hq != s.Hkv)
+        return _reduce_stats(P)
+
+    def eager_stats(q, k, v, causal, scale, n_rep):
+        k, v = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
+        scores = (q @ k.transpose(-2, -1)) * scale
+        if causal:
+            scores = scores.masked_fill(_causal_hidden(q, k), float("-inf"))
+        P = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        return P @ v, _reduce_stats(P)
+
+    impls = {"ours": ours, "chunks": lambda q, k, v, s, scale: ours(q, k, v, s, scale, method="chunks"),
+             "native": native,
+             "flash": lambda q, k, v, s, scale: F.scaled_dot_product_attention(
+                 q, k, v, is_causal=s.causal, scale=scale, enable_gqa=s.Hq != s.Hkv)}
+    if device == "cuda":
+        compiled = torch.compile(eager_stats, dynamic=False)
+        impls["compiled"] = lambda q, k, v, s, scale: compiled(q, k, v, s.causal, scale, s.Hq // s.Hkv)
+    return impls
+
+
+def run_stats_row(impls, s: Shape, dtype, device, reps):
+    q, k, v, _ = make_inputs(s, dtype, device)
+    scale = 1.0 / math.sqrt(s.D)
+    row = {"shape": s.name, "dtype": str(dtype).split(".")[-1], **dataclasses.asdict(s)}
+    with torch.no_grad():
+        fns = {name: (lambda f=f: f(q, k, v, s, scale)) for name, f in impls.items()}
+        times, errors = interleaved_ms(fns, device, reps=reps)
+        row["ms"] = {name: t for name, (t, _) in times.items()}
+        row["samples"] = {name: samples for name, (_, samples) in times.items()}
+        row["errors"] = errors
+        # Accuracy against float64 on the same rounded inputs; extra memory on CUDA.
+        ref = attention_stats_reference(q, k, v, s, scale)
+        row["rel_err"] = {}
+        for name in ("ours", "chunks", "native"):
+            if name in errors:
+                continue
+            res = impls[name](q, k, v, s, scale)
+            cs, ent = (res[1]["col_sum"], res[1]["row_entropy"]) if isinstance(res[1], dict) else res
+            row["rel_err"][name] = {"col_sum": _rel(cs, ref[0]), "row_entropy": _rel(ent, ref[1])}
+        row["peak_extra_bytes"] = {name: peak_extra_bytes(fn, device) for name, fn in fns.items() if name not in errors}
+    base = row["ms"].get("native")
+    row["speedup_vs_native"] = {name: base / t for name, t in row["ms"].items() if base}
+    flash = row["ms"].get("flash")
+    row["x_flash"] = {name: t / flash for name, t in row["ms"].items() if flash}
+    return row
+
+
+def attention_stats_reference(q, k, v, s, scale):
+    """col_sum and row_entropy in float64 from the float64 map of the same (rounded) inputs."""
+    _, P = aten_math(q.double(), k.double(), v.double(), is_causal=s.causal, scale=scale, enable_gqa=s.Hq != s.Hkv)
+    return P.sum(-2), -(P * torch.log(torch.where(P > 0, P, torch.ones_like(P)))).sum(-1)
+
+
+def stats_markdown(run):
+    lines = ["# Statistics of P: col_sum + row_entropy, forward, no gradient", "",
+             f"Machine: {run['info'].get('gpu', run['info'].get('cpu', '?'))}, {run['info'].get('threads')} CPU threads; "
+             f"torch {run['info'].get('torch')}; timing: {run['info'].get('timing')}; code {run['info'].get('code_hash')}.",
+             "",
+             "ours: `attention_stats` (" + ("the fused CPU operator" if run["info"].get("device") == "cpu"
+                                           else "chunks of P on CUDA: no fused CUDA kernel yet") + "); "
+             "chunks: the same by chunks of P; native: the math op's P, then the reductions; compiled: torch.compile "
+             "of eager attention and the reductions; flash: PyTorch's fused kernel, no P and no statistics.", "",
+             "| shape | dtype | " + " | ".join(f"{c} ms" for c in STATS_COLUMNS) + " | ours x native | ours / flash |"
+             " err ours | err chunks | err native |",
+             "|" + "---|" * (2 + len(STATS_COLUMNS) + 2 + 3)]
+    for r in run["rows"]:
+        ms = r["ms"]
+        cells = [f"{ms[c]:.3f}" if c in ms else "—" for c in STATS_COLUMNS]
+        err = lambda n: (f"{max(r['rel_err'][n].values()):.1e}" if n in r["rel_err"] else "—")  # noqa: E731
+        lines.append(f"| {r['shape']} | {r['dtype']} | " + " | ".join(cells) +
+                     f" | {r['speedup_vs_native'].get('ours', float('nan')):.2f} | {r['x_flash'].get('ours', float('nan')):.2f}"
+                     f" | {err('ours')} | {err('chunks')} | {err('native')} |")
+    lines += ["", "err: the larger relative (Frobenius) error of col_sum and row_entropy against float64."]
+    return "\n".join(lines) + "\n"
+
+
+def _cmd_stats(a):
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    shapes = SETS[a.set or ("anchors" if device == "cuda" else "cpu")](device)
+    dtypes = [getattr(torch, d) for d in a.dtypes]
+    out = pathlib.Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    global TIMING
+    TIMING = a.timing
+    impls = stats_impls(device)
+    run = {"info": {**machine_info(device), "device": device, "timing": TIMING if device == "cuda" else "wall"},
+           "rows": []}
+    for s in shapes:
+        for dtype in dtypes:
+            row = run_stats_row(impls, s, dtype, device, a.reps)
+            run["rows"].append(row)
+            print(f"{s.name:24s} {row['dtype']:9s} ours {row['ms'].get('ours', float('nan')):8.3f} ms  "
+                  f"x native {row['speedup_vs_native'].get('ours', float('nan')):5.2f}", flush=True)
+            (out / "stats.json").write_text(json.dumps(run, indent=1))
+    (out / "stats.md").write_text(stats_markdown(run))
+    print(f"wrote {out / 'stats.json'}, {out / 'stats.md'}")
+
+
 def _cmd_run(a):
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     shapes = SETS[a.set or ("anchors+sweep" if device == "cuda" else "cpu+sweep")](device)
@@ -842,6 +974,13 @@ def main(argv=None):
                    help="CUDA samples: GPU time with the host's issuing hidden behind a spin kernel (gpu), or "
                         "a call issued to an idle GPU, host time included (wall)")
     r.add_argument("--out", default="bench-out")
+    st = sub.add_parser("stats", help="time the statistics-only forward (col_sum + row_entropy) side by side")
+    st.add_argument("--device", choices=["cpu", "cuda"])
+    st.add_argument("--set", choices=sorted(SETS))
+    st.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16", "float32"])
+    st.add_argument("--reps", type=int, default=10)
+    st.add_argument("--timing", choices=["gpu", "wall"], default="gpu")
+    st.add_argument("--out", default="bench-out")
     g = sub.add_parser("gate", help="compare a run with a committed baseline")
     g.add_argument("run")
     g.add_argument("baseline")
@@ -854,6 +993,9 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.cmd == "run":
         _cmd_run(a)
+        return 0
+    if a.cmd == "stats":
+        _cmd_stats(a)
         return 0
     return _cmd_gate(a)
 

@@ -1,0 +1,42 @@
+"""The harness's statistics rows (`python -m sdpa_math.bench stats`): every way it times gives
+the same column sums and row entropy, a row records times, errors against float64 and ratios,
+and the report renders. One tiny row on the CPU; the timings themselves are not judged here."""
+import json
+
+import torch
+
+from sdpa_math import bench
+from sdpa_math.bench import Shape, make_inputs
+
+TINY = Shape("tiny", 2, 4, 2, 24, 40, 8)
+TINY_CAUSAL = Shape("tiny_causal", 1, 2, 2, 32, 32, 8, True)
+
+
+def test_every_cpu_way_gives_the_same_statistics():
+    impls = bench.stats_impls("cpu")
+    assert set(impls) == {"ours", "chunks", "native", "flash"}  # compiled is CUDA-only
+    for s in (TINY, TINY_CAUSAL):
+        q, k, v, _ = make_inputs(s, torch.float32, "cpu")
+        scale = s.D ** -0.5
+        ref = bench.attention_stats_reference(q, k, v, s, scale)
+        with torch.no_grad():
+            for name in ("ours", "chunks", "native"):
+                res = impls[name](q, k, v, s, scale)
+                cs, ent = (res[1]["col_sum"], res[1]["row_entropy"]) if isinstance(res[1], dict) else res
+                torch.testing.assert_close(cs.double(), ref[0], rtol=1e-5, atol=1e-6, msg=name)
+                torch.testing.assert_close(ent.double(), ref[1], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_row_and_its_report(tmp_path):
+    impls = bench.stats_impls("cpu")
+    row = bench.run_stats_row(impls, TINY, torch.bfloat16, "cpu", reps=3)
+    assert set(row["ms"]) == {"ours", "chunks", "native", "flash"} and not row["errors"]
+    assert all(t > 0 for t in row["ms"].values())
+    # bf16 inputs: the fused operator reduces fp32 rows of P; the others reduce P rounded to bf16
+    assert max(row["rel_err"]["ours"].values()) <= 1e-5
+    assert max(row["rel_err"]["native"].values()) > 1e-5
+    assert row["speedup_vs_native"]["native"] == 1.0
+    run = {"info": {**bench.machine_info("cpu"), "timing": "wall"}, "rows": [row]}
+    json.dumps(run)
+    md = bench.stats_markdown(run)
+    assert "| tiny | bfloat16 |" in md and md.count("\n|") == 3
