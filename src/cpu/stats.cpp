@@ -9,7 +9,8 @@
 // A task is one head's row blocks g, g + G, g + 2G, ... for G groups per head: G = 1 when there
 // are heads enough for the threads (a task owns its head's column sums and writes them), else
 // each group sums into its own fp64 row and the groups are added in order after the parallel
-// region, so the result does not depend on which thread ran what.
+// region, so the result does not depend on which thread ran what (it does on how many threads
+// there are, through G).
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -33,7 +34,8 @@ void forward_stats(const core::Problem& p, const StatsOutputs& out) {
   const int64_t block = rows_per_block(S);
   const int64_t blocks_per_head = (p.L + block - 1) / block;
   if (p.num_lead == 0) return;
-  // Column sums of a head with no rows are zeros.
+  // Groups of row blocks per head (at least 1, so a head with no rows still writes zero column
+  // sums). G depends on the thread count: the sums are reproducible for a given count.
   const int64_t groups = std::clamp<int64_t>((threads_for(p.num_lead * blocks_per_head) + p.num_lead - 1) / p.num_lead, 1,
                                              std::max<int64_t>(blocks_per_head, 1));
   const int64_t tasks = p.num_lead * groups;
@@ -94,9 +96,13 @@ void forward_stats(const core::Problem& p, const StatsOutputs& out) {
               for (int64_t j = 0; j < visible; ++j)
                 if (row[j] > 0.0f) h += static_cast<double>(row[j]) * (static_cast<double>(m) - logits[j]);
             }
-            const float hv[1] = {static_cast<float>(h)};
-            store_row(ENT.dtype, static_cast<char*>(out.row_entropy->data), core::lead_offset(p, ENT, lead) + i * ENT.row_stride,
-                      1, 1, hv);
+            const int64_t e_at = core::lead_offset(p, ENT, lead) + i * ENT.row_stride;
+            if (ENT.dtype == DType::Float64) {
+              reinterpret_cast<double*>(out.row_entropy->data)[e_at] = h;
+            } else {
+              const float hv[1] = {static_cast<float>(h)};
+              store_row(ENT.dtype, static_cast<char*>(out.row_entropy->data), e_at, 1, 1, hv);
+            }
           }
           if (want_cols) {
             if (nan_row) {  // a NaN row of P is NaN throughout, the keys it cannot see too

@@ -27,8 +27,8 @@ void check_cublas(cublasStatus_t status, const char* what) {
 }
 
 // cuBLAS handles (not thread-safe): a thread holds one per device while it lives, bound to the
-// call's stream, without a workspace (one handle used on different streams would otherwise share
-// its workspace across them). When the thread ends its handles go back to a process-wide pool,
+// call's stream and set to no workspace on each call (one handle used on different streams would
+// otherwise share its workspace across them). When the thread ends its handles go back to a process-wide pool,
 // and the next thread takes them from there, so threads that come and go (a thread pool
 // resized, one thread per request) reuse handles instead of leaking one each. Handles are never
 // destroyed: at process exit the CUDA runtime may be gone before a destructor runs.
@@ -50,10 +50,6 @@ class HandlePool {
     cublasHandle_t h = nullptr;
     check_cublas(cublasCreate(&h), "creating a cuBLAS handle");
     created_.fetch_add(1);
-    if (cublasStatus_t st = cublasSetWorkspace(h, nullptr, 0); st != CUBLAS_STATUS_SUCCESS) {
-      give_back(device, h);
-      check_cublas(st, "setting the cuBLAS workspace");
-    }
     return h;
   }
   void give_back(int device, cublasHandle_t h) {
@@ -85,6 +81,9 @@ cublasHandle_t handle_on(cudaStream_t stream) {
   if (static_cast<int>(mine.by_device.size()) <= device) mine.by_device.resize(device + 1, nullptr);
   if (!mine.by_device[device]) mine.by_device[device] = HandlePool::instance().take(device);
   check_cublas(cublasSetStream(mine.by_device[device], stream), "binding the cuBLAS handle to the stream");
+  // cublasSetStream gives the handle cuBLAS's default workspace back every time: take it away
+  // again after each one (as PyTorch does), or calls on different streams would share it.
+  check_cublas(cublasSetWorkspace(mine.by_device[device], nullptr, 0), "setting the cuBLAS workspace");
   return mine.by_device[device];
 }
 
@@ -254,12 +253,13 @@ bool writable(const std::optional<TensorView>& g, const core::Operand& op, int64
 bool gemm_forward(const DevProblem& p, cudaStream_t stream) {
   Layout lay;
   if (!layout_of(p, true, lay)) return false;
+  const unsigned rows_grid = row_blocks(p);  // refused before cuBLAS writes into P
   cublasHandle_t h = handle_on(stream);
   float* probs = reinterpret_cast<float*>(p.probs.data);
   // P <- Q K^T (raw dot products: the row kernel applies the scale, as every path does).
   batched(h, lay.rows, p.S, p.E, 1.0f, lay.q, false, lay.k, true, probs, lay.probs.ld, lay.probs.batch, lay.batches,
           "cuBLAS Q K^T");
-  softmax_rows<<<row_blocks(p), 32 * kRowsPerBlock, 0, stream>>>(p);
+  softmax_rows<<<rows_grid, 32 * kRowsPerBlock, 0, stream>>>(p);
   check_launch("fp32 softmax rows");
   // O = P V (times c for an explicit dropout mask: output_factor).
   batched(h, lay.rows, p.Ev, p.S, output_factor<float>(p), lay.probs, false, lay.v, false,

@@ -271,13 +271,17 @@ void generic_backward(const DevProblem& p, const BackwardBuffers<Acc>& g, cudaSt
   const int64_t row_blocks = p.num_lead * p.L;
   if (row_blocks == 0) return;
   const size_t smem_rows = sizeof(Acc) * (region<Acc>(p.E) + region<Acc>(p.Ev) + kChunk + kThreads);
-  set_smem_limit(reinterpret_cast<const void*>(&backward_rows<Acc>), smem_rows);
-  backward_rows<Acc><<<grid_x(row_blocks, "generic backward rows"), kThreads, smem_rows, stream>>>(p, g);
-  check_launch("generic backward (rows)");
+  // Both grids first: the rows kernel writes dQ, so an oversized column grid is refused before it.
+  const unsigned rows_grid = grid_x(row_blocks, "generic backward rows");
   const int64_t col_blocks = p.num_lead * p.S;
-  if ((g.dk || g.dv) && col_blocks > 0) {
+  const bool cols = (g.dk || g.dv) && col_blocks > 0;
+  const unsigned cols_grid = grid_x(cols ? col_blocks : 0, "generic backward columns");
+  set_smem_limit(reinterpret_cast<const void*>(&backward_rows<Acc>), smem_rows);
+  backward_rows<Acc><<<rows_grid, kThreads, smem_rows, stream>>>(p, g);
+  check_launch("generic backward (rows)");
+  if (cols) {
     const size_t smem_cols = sizeof(Acc) * 2 * kChunk;
-    backward_cols<Acc><<<grid_x(col_blocks, "generic backward columns"), kThreads, smem_cols, stream>>>(p, g);
+    backward_cols<Acc><<<cols_grid, kThreads, smem_cols, stream>>>(p, g);
     check_launch("generic backward (columns)");
   }
 }
