@@ -5,7 +5,7 @@ USAGE = """usage: python -m sdpa_math [COMMAND] [ARGS...]
 
 commands:
   demo    a tiny model learns an induction head; its maps before and after, to a PNG (the default)
-  bench   the side-by-side benchmark (run) and the performance gate (gate)
+  bench   the side-by-side benchmark (run), the statistics rows (stats) and the performance gate (gate)
   probe   re-check the contract's observed lines against the installed PyTorch
   info    what this build contains: versions, devices, kernels
 
