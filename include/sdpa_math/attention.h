@@ -89,11 +89,15 @@ struct BackwardOutputs {
 //   row_entropy (*batch, Hq, L): −Σ_j P_ij log P_ij (0 log 0 = 0; a fully masked row gives 0, a
 //                NaN row NaN).
 // Both float32 or float64. Dropout is refused: these are statistics of the dropout-free map.
+//   rows        (*batch, Hq, n, S): P itself at the query rows rows_first + k · rows_step,
+//                k < n (n = its second-to-last dim), in any floating dtype.
 struct StatsOutputs {
   TensorView output;     // as ForwardOutputs::output
   TensorView logsumexp;  // as ForwardOutputs::logsumexp
   std::optional<TensorView> col_sum;
   std::optional<TensorView> row_entropy;
+  std::optional<TensorView> rows;
+  int64_t rows_first = 0, rows_step = 1;
 };
 
 // How the CUDA backend runs a call: on which stream, and where it borrows scratch memory

@@ -70,7 +70,8 @@ def _forward_fake(query, key, value, attn_mask, dropout_p, is_causal, dropout_ma
 
 
 @torch.library.register_fake("sdpa_math::forward_stats")
-def _forward_stats_fake(query, key, value, attn_mask, is_causal, scale, enable_gqa, col_sum, row_entropy):
+def _forward_stats_fake(query, key, value, attn_mask, is_causal, scale, enable_gqa, col_sum, row_entropy, rows_first,
+                        rows_count, rows_step):
     lead = _lead_shape(query, key, value, enable_gqa)
     L, S, Ev = query.shape[-2], key.shape[-2], value.shape[-1]
     stat = torch.float64 if query.dtype == torch.float64 else torch.float32
@@ -79,6 +80,7 @@ def _forward_stats_fake(query, key, value, attn_mask, is_causal, scale, enable_g
         query.new_empty((*lead, L), dtype=stat),
         query.new_empty((*lead, S) if col_sum else (0,), dtype=stat),
         query.new_empty((*lead, L) if row_entropy else (0,), dtype=stat),
+        query.new_empty((*lead, rows_count, S) if rows_count > 0 else (0,)),
     )
 
 

@@ -301,6 +301,15 @@ void check_stats_outputs(const Problem& p, const StatsOutputs& out) {
     check_view(*out.col_sum, "col_sum", cols, true, dev, ErrorCode::BadOutput);
   }
   if (out.row_entropy) check_view(*out.row_entropy, "row_entropy", p.shapes.logsumexp, true, dev, ErrorCode::BadOutput);
+  if (out.rows) {
+    Shape window = p.shapes.attn_probs;  // (*lead, L, S) -> (*lead, n, S)
+    const int64_t n = out.rows->shape.ndim >= 2 ? out.rows->shape.dims[out.rows->shape.ndim - 2] : -1;
+    window.dims[window.ndim - 2] = n;
+    if (out.rows_step < 1 || out.rows_first < 0 || (n > 0 && out.rows_first + (n - 1) * out.rows_step >= p.L))
+      fail(ErrorCode::BadOutput, "rows: ", n, " query rows from row ", out.rows_first, " every ", out.rows_step,
+           " do not lie within the ", p.L, " rows");
+    check_view(*out.rows, "rows", window, false, dev, ErrorCode::BadOutput);
+  }
 }
 
 void check_backward(const Problem& p, const BackwardArgs& a, const BackwardOutputs& out) {

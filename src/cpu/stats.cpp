@@ -5,6 +5,7 @@
 //                   maximum; every term >= 0, so the fp64 sum has no cancellation; equal to
 //                   -sum P log P, with one logarithm a row)
 //   col_sum_j    += P_ij over the block's rows, in fp64
+//   rows: P's rows of the window asked for, stored as the forward stores P
 //   O_blk = P_blk V
 // A task is one head's row blocks g, g + G, g + 2G, ... for G groups per head: G = 1 when there
 // are heads enough for the threads (a task owns its head's column sums and writes them), else
@@ -29,6 +30,8 @@ void forward_stats(const core::Problem& p, const StatsOutputs& out) {
   const core::Operand LSE = core::output_operand(p, out.logsumexp, false);
   const core::Operand CS = out.col_sum ? core::output_operand(p, *out.col_sum, false) : core::Operand{};
   const core::Operand ENT = out.row_entropy ? core::output_operand(p, *out.row_entropy, false) : core::Operand{};
+  const core::Operand WIN = out.rows ? core::output_operand(p, *out.rows, true) : core::Operand{};
+  const int64_t win_rows = out.rows ? out.rows->shape.dims[out.rows->shape.ndim - 2] : 0;
   const bool want_cols = out.col_sum.has_value(), want_entropy = out.row_entropy.has_value();
   const int64_t S = p.S, E = p.E, Ev = p.Ev;
   const int64_t block = rows_per_block(S);
@@ -109,6 +112,18 @@ void forward_stats(const core::Problem& p, const StatsOutputs& out) {
               for (int64_t j = 0; j < S; ++j) cols[j] += kNaN;
             } else {
               for (int64_t j = 0; j < visible; ++j) cols[j] += row[j];
+            }
+          }
+          const int64_t k = i - out.rows_first;  // the window's rows: P itself
+          if (win_rows > 0 && k >= 0 && k % out.rows_step == 0 && k / out.rows_step < win_rows) {
+            char* w_data = static_cast<char*>(out.rows->data);
+            const int64_t w_at = core::lead_offset(p, WIN, lead) + (k / out.rows_step) * WIN.row_stride;
+            store_row(WIN.dtype, w_data, w_at, WIN.col_stride, visible, row);
+            if (nan_row && S > visible) {  // NaN throughout, the keys the row cannot see too
+              std::fill(tmp.begin(), tmp.begin() + (S - visible), kNaN);
+              store_row(WIN.dtype, w_data, w_at + visible * WIN.col_stride, WIN.col_stride, S - visible, tmp.data());
+            } else {
+              store_zeros(WIN.dtype, w_data, w_at + visible * WIN.col_stride, WIN.col_stride, S - visible);
             }
           }
           const float lse_value[1] = {lse};

@@ -129,6 +129,8 @@ void forward_stats(const Problem& p, const StatsOutputs& out) {
   const Operand lse = core::output_operand(p, out.logsumexp, false);
   const Operand cs = out.col_sum ? core::output_operand(p, *out.col_sum, false) : Operand{};
   const Operand ent = out.row_entropy ? core::output_operand(p, *out.row_entropy, false) : Operand{};
+  const Operand win = out.rows ? core::output_operand(p, *out.rows, true) : Operand{};
+  const int64_t win_rows = out.rows ? out.rows->shape.dims[out.rows->shape.ndim - 2] : 0;
   Row r;
   std::vector<double> cols(p.S);
   for (int64_t lead = 0; lead < p.num_lead; ++lead) {
@@ -152,6 +154,12 @@ void forward_stats(const Problem& p, const StatsOutputs& out) {
       if (out.row_entropy)
         core::store_from_double(ent.dtype, out.row_entropy->data, core::lead_offset(p, ent, lead) + i * ent.row_stride,
                                 entropy);
+      const int64_t k = i - out.rows_first;
+      if (out.rows && k >= 0 && k % out.rows_step == 0 && k / out.rows_step < win_rows)
+        for (int64_t j = 0; j < p.S; ++j)
+          core::store_from_double(win.dtype, out.rows->data,
+                                  core::lead_offset(p, win, lead) + (k / out.rows_step) * win.row_stride + j * win.col_stride,
+                                  r.P[j]);
     }
     if (out.col_sum)
       for (int64_t j = 0; j < p.S; ++j)

@@ -320,17 +320,25 @@ INSTANTIATE_TEST_SUITE_P(Cases, CpuForward, ::testing::ValuesIn(forward_cases())
 // the CPU's equal the reference's. The CPU computes P in fp32 (relative error ~1e-6 an element)
 // and reduces in fp64, so both statistics stay within 1e-5 relative of the float64 reference
 // even for fp16/bf16 inputs (P is never rounded to them).
+// The window of rows asked for: rows 1, 3, 5, ... (none when L < 2).
+constexpr int64_t kWindowFirst = 1, kWindowStep = 2;
+
 struct Stats {
-  Tensor o, lse, col_sum, row_entropy;
-  StatsOutputs views() const { return {o.view, lse.view, col_sum.view, row_entropy.view}; }
+  Tensor o, lse, col_sum, row_entropy, rows;
+  StatsOutputs views() const {
+    return {o.view, lse.view, col_sum.view, row_entropy.view, rows.view, kWindowFirst, kWindowStep};
+  }
 };
 
 Stats run_stats(Backend backend, const ForwardArgs& args, DType out_dtype, DType stat_dtype) {
   const ForwardShapes s = forward_shapes(args);
   Shape cols = s.logsumexp;
   cols.dims[cols.ndim - 1] = s.attn_probs.dims[s.attn_probs.ndim - 1];
+  Shape window = s.attn_probs;
+  const int64_t L = window.dims[window.ndim - 2];
+  window.dims[window.ndim - 2] = L > kWindowFirst ? (L - kWindowFirst + kWindowStep - 1) / kWindowStep : 0;
   Stats out{empty_tensor(out_dtype, s.output), empty_tensor(stat_dtype, s.logsumexp), empty_tensor(stat_dtype, cols),
-            empty_tensor(stat_dtype, s.logsumexp)};
+            empty_tensor(stat_dtype, s.logsumexp), empty_tensor(out_dtype, window)};
   forward_stats(backend, args, out.views());
   return out;
 }
@@ -363,6 +371,10 @@ TEST_P(CpuStats, ReferenceIsPsOwnSumsAndCpuMatchesIt) {
     }
   }
   EXPECT_EQ(read(ref.o.view), read(full.o.view));
+  const std::vector<double> win = read(ref.rows.view);
+  for (int64_t h = 0, n = 0; h < heads; ++h)
+    for (int64_t i = kWindowFirst; i < L; i += kWindowStep, ++n)
+      for (int64_t j = 0; j < S; ++j) ASSERT_EQ(win[n * S + j], P[(h * L + i) * S + j]) << "head " << h << " row " << i;
   Stats cpu = run_stats(Backend::Cpu, b.args, c.dtype, DType::Float32);
   const std::vector<double> V = read(b.v.view);
   Errors eo = compare(read(cpu.o.view), read(ref.o.view), unit_roundoff(c.dtype), 3e-5 * std::max(max_abs(V), 1e-30));
@@ -372,6 +384,8 @@ TEST_P(CpuStats, ReferenceIsPsOwnSumsAndCpuMatchesIt) {
   Errors ec = compare(read(cpu.col_sum.view), cs, 1e-5, 1e-6);
   EXPECT_EQ(ec.bad, 0) << "col_sum: " << describe(ec);
   EXPECT_LE(ec.rel_frobenius, 1e-5);
+  Errors ew = compare(read(cpu.rows.view), win, unit_roundoff(c.dtype) + 4e-6, 1e-7);  // as the forward's P
+  EXPECT_EQ(ew.bad, 0) << "rows: " << describe(ew);
   Errors ee = compare(read(cpu.row_entropy.view), ent, 1e-5, 1e-6);
   EXPECT_EQ(ee.bad, 0) << "row_entropy: " << describe(ee);
   EXPECT_LE(ee.rel_frobenius, 1e-5);
@@ -389,7 +403,8 @@ TEST(StatsValidation, DropoutIsRefusedBeforeAnythingIsWritten) {
   Shape cols = s.logsumexp;
   cols.dims[cols.ndim - 1] = s.attn_probs.dims[s.attn_probs.ndim - 1];
   Stats out{empty_tensor(DType::Float32, s.output), empty_tensor(DType::Float32, s.logsumexp),
-            empty_tensor(DType::Float32, cols), empty_tensor(DType::Float32, s.logsumexp)};
+            empty_tensor(DType::Float32, cols), empty_tensor(DType::Float32, s.logsumexp),
+            empty_tensor(DType::Float32, s.attn_probs)};
   const double nan = std::numeric_limits<double>::quiet_NaN();
   for (const Tensor* t : {&out.o, &out.lse, &out.col_sum, &out.row_entropy})
     write(t->view, std::vector<double>(t->view.numel(), nan));

@@ -434,11 +434,13 @@ def test_method_choice_and_its_errors():
 def test_fused_operator_refuses_what_the_contract_refuses():
     q, k, v, mask, kw, _ = make("float_mask_neginf")
     with pytest.raises(RuntimeError, match="is_causal"):
-        torch.ops.sdpa_math.forward_stats(q, k, v, mask, True, None, False, True, True)
+        torch.ops.sdpa_math.forward_stats(q, k, v, mask, True, None, False, True, True, 0, 0, 1)
     with pytest.raises(RuntimeError, match="must equal query.s last dimension"):
-        torch.ops.sdpa_math.forward_stats(q, k[..., :3], v, None, False, None, False, True, False)
-    out, lse, cs, ent = torch.ops.sdpa_math.forward_stats(q, k, v, mask, False, None, False, False, False)
-    assert cs.shape == (0,) and ent.shape == (0,)  # statistics not asked for come back empty
+        torch.ops.sdpa_math.forward_stats(q, k[..., :3], v, None, False, None, False, True, False, 0, 0, 1)
+    out, lse, cs, ent, rows = torch.ops.sdpa_math.forward_stats(q, k, v, mask, False, None, False, False, False, 0, 0, 1)
+    assert cs.shape == ent.shape == rows.shape == (0,)  # statistics not asked for come back empty
+    with pytest.raises(RuntimeError, match="do not lie within"):  # a window past the last row
+        torch.ops.sdpa_math.forward_stats(q, k, v, mask, False, None, False, False, False, 5, 2, 2)
     O, _, L = sdpa_math.attention_with_lse(q, k, v, mask)
     assert torch.equal(out, O) and torch.equal(lse, L)
 
@@ -446,10 +448,11 @@ def test_fused_operator_refuses_what_the_contract_refuses():
 def test_fused_operator_under_torch_compile():
     q, k, v, mask, kw, _ = make("nomask")
     q, k, v = q.float(), k.float(), v.float()
-    fn = torch.compile(lambda a, b, c: torch.ops.sdpa_math.forward_stats(a, b, c, None, False, None, False, True, True),
-                       fullgraph=True, backend="aot_eager")
+    fn = torch.compile(lambda a, b, c: torch.ops.sdpa_math.forward_stats(a, b, c, None, False, None, False, True, True,
+                                                                          1, 3, 2), fullgraph=True, backend="aot_eager")
     got = fn(q, k, v)
-    want = torch.ops.sdpa_math.forward_stats(q, k, v, None, False, None, False, True, True)
+    want = torch.ops.sdpa_math.forward_stats(q, k, v, None, False, None, False, True, True, 1, 3, 2)
+    assert want[4].shape == (*q.shape[:-1][:-1], 3, k.shape[-2])
     for g, w in zip(got, want):
         assert torch.equal(g, w)
 
@@ -491,3 +494,17 @@ def test_fused_row_block_groups_are_summed_in_order():
     for key in ("col_sum", "row_entropy"):
         torch.testing.assert_close(a[key].double(), want[key], rtol=1e-5, atol=1e-6, msg=key)
         assert torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("name", ["nomask", "bool_fully_masked_rows", "causal_L_gt_S", "gqa_4_2", "batch_dims_2x3"])
+def test_fused_rows_window_is_P_at_those_rows(name, dtype):
+    q, k, v, mask, kw, _ = make(name)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    if mask is not None and mask.is_floating_point():
+        mask = mask.to(dtype)
+    _, P = sdpa_math.attention(q, k, v, mask, **kw)
+    for win in (slice(-3, None), slice(1, None, 2), slice(0, 1), slice(5, 2)):
+        _, st = attention_stats(q, k, v, mask, rows=win, row_entropy=True, method="fused", **kw)
+        assert st["rows"].dtype == P.dtype and st["rows"].shape == P[..., win, :].shape
+        torch.testing.assert_close(st["rows"], P[..., win, :])

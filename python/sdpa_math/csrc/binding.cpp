@@ -175,13 +175,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_kernel(
 }
 
 // Statistics of P without writing it (sdpa_math::forward_stats; the CPU backend has it, CUDA
-// raises BackendUnavailable). Returns (output, logsumexp, col_sum, row_entropy) with the
-// statistics in float32 (float64 for float64 inputs); one not asked for comes back as an empty
+// raises BackendUnavailable). Returns (output, logsumexp, col_sum, row_entropy, rows) with the
+// statistics in float32 (float64 for float64 inputs) and rows (P at query rows rows_first +
+// k rows_step, k < rows_count) in the inputs' dtype; one not asked for comes back as an empty
 // tensor of shape (0,). No dropout and no autograd: python/sdpa_math/stats.py calls it only
 // when no gradient is wanted.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_stats_kernel(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_stats_kernel(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask, bool is_causal,
-    std::optional<double> scale, bool enable_gqa, bool col_sum, bool row_entropy) {
+    std::optional<double> scale, bool enable_gqa, bool col_sum, bool row_entropy, int64_t rows_first, int64_t rows_count,
+    int64_t rows_step) {
   return checked([&] {
     const at::OptionalDeviceGuard guard(at::device_of(q));  // see on_tensors_device
     const sdpa_math::ForwardArgs a =
@@ -190,8 +192,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_stats_kernel(
     const auto stat_dtype = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
     at::Tensor out = at::empty(dims(s.output), q.options());
     at::Tensor lse = at::empty(dims(s.logsumexp), q.options().dtype(stat_dtype));
-    sdpa_math::StatsOutputs o{view_of(out), view_of(lse), std::nullopt, std::nullopt};
-    at::Tensor cs, ent;
+    sdpa_math::StatsOutputs o{view_of(out), view_of(lse), std::nullopt, std::nullopt, std::nullopt, rows_first, rows_step};
+    at::Tensor cs, ent, win;
     if (col_sum) {
       std::vector<int64_t> cs_dims = dims(s.logsumexp);  // (*lead, L) -> (*lead, S)
       cs_dims.back() = s.attn_probs.dims[s.attn_probs.ndim - 1];
@@ -202,10 +204,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_stats_kernel(
       ent = at::empty(dims(s.logsumexp), q.options().dtype(stat_dtype));
       o.row_entropy = view_of(ent);
     }
-    poison({&out, &lse, &cs, &ent});
+    if (rows_count > 0) {
+      std::vector<int64_t> win_dims = dims(s.attn_probs);  // (*lead, L, S) -> (*lead, rows_count, S)
+      win_dims[win_dims.size() - 2] = rows_count;
+      win = at::empty(win_dims, q.options());
+      o.rows = view_of(win);
+    }
+    poison({&out, &lse, &cs, &ent, &win});
     sdpa_math::forward_stats(backend_for(q), a, o, cuda_execution(q));
     auto or_empty = [&](const at::Tensor& t) { return t.defined() ? t : at::empty({0}, q.options().dtype(stat_dtype)); };
-    return std::make_tuple(out, lse, or_empty(cs), or_empty(ent));
+    return std::make_tuple(out, lse, or_empty(cs), or_empty(ent), win.defined() ? win : at::empty({0}, q.options()));
   });
 }
 
@@ -310,8 +318,8 @@ TORCH_LIBRARY(sdpa_math, m) {
       "-> (Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_attn_mask)");
   m.def(
       "forward_stats(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, bool is_causal, float? scale, "
-      "bool enable_gqa, bool col_sum, bool row_entropy) "
-      "-> (Tensor output, Tensor logsumexp, Tensor col_sum, Tensor row_entropy)");
+      "bool enable_gqa, bool col_sum, bool row_entropy, int rows_first, int rows_count, int rows_step) "
+      "-> (Tensor output, Tensor logsumexp, Tensor col_sum, Tensor row_entropy, Tensor rows)");
 }
 
 TORCH_LIBRARY_IMPL(sdpa_math, CPU, m) {
