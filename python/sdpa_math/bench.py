@@ -898,17 +898,23 @@ def stats_markdown(run):
     return "\n".join(lines) + "\n"
 
 
-def _cmd_stats(a):
+def _setup(a, default_sets):
+    """What `run` and `stats` share: the device, the set's shapes (default_sets: (cuda, cpu)),
+    the dtypes, the output folder (made), and the timing method."""
+    global TIMING
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    shapes = SETS[a.set or ("anchors" if device == "cuda" else "cpu")](device)
+    shapes = SETS[a.set or default_sets[device != "cuda"]](device)
+    out = pathlib.Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    TIMING = a.timing
+    return device, shapes, [getattr(torch, d) for d in a.dtypes], out
+
+
+def _cmd_stats(a):
+    device, shapes, dtypes, out = _setup(a, ("anchors", "cpu"))
     masked = [s.name for s in shapes if s.variant in ("fmask", "kpad")]
     if masked:  # the statistics rows pass no mask (yet): a masked row would be mislabelled
         raise SystemExit(f"bench stats: rows with a mask are not supported here: {', '.join(masked)}")
-    dtypes = [getattr(torch, d) for d in a.dtypes]
-    out = pathlib.Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    global TIMING
-    TIMING = a.timing
     impls = stats_impls(device)
     run = {"info": {**machine_info(device), "device": device, "timing": TIMING if device == "cuda" else "wall"},
            "rows": []}
@@ -924,13 +930,7 @@ def _cmd_stats(a):
 
 
 def _cmd_run(a):
-    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    shapes = SETS[a.set or ("anchors+sweep" if device == "cuda" else "cpu+sweep")](device)
-    dtypes = [getattr(torch, d) for d in a.dtypes]
-    out = pathlib.Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    global TIMING
-    TIMING = a.timing
+    device, shapes, dtypes, out = _setup(a, ("anchors+sweep", "cpu+sweep"))
     impls = Impls(device)
     ceil = ceilings(device)
     run = {"info": {**machine_info(device), "timing": TIMING if device == "cuda" else "wall"},

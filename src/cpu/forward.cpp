@@ -71,12 +71,8 @@ void forward(const core::Problem& p, const ForwardOutputs& out) {
           for (int64_t j = 0; j < cols; ++j) row[j] *= keep[j] * p_scale;
         }
         store_row_once(P.dtype, p_data, p_at + i * P.row_stride, P.col_stride, cols, row);
-        if (std::isnan(lse) && S > cols) {  // a NaN row is NaN throughout, the keys it cannot see too
-          std::fill(tmp.begin(), tmp.begin() + (S - cols), std::numeric_limits<float>::quiet_NaN());
-          store_row(P.dtype, p_data, p_at + i * P.row_stride + cols * P.col_stride, P.col_stride, S - cols, tmp.data());
-        } else {
-          store_zeros(P.dtype, p_data, p_at + i * P.row_stride + cols * P.col_stride, P.col_stride, S - cols);
-        }
+        store_hidden_keys(P.dtype, p_data, p_at + i * P.row_stride + cols * P.col_stride, P.col_stride, S - cols,
+                          std::isnan(lse), tmp.data());
         const float lse_value[1] = {lse};
         store_row(LSE.dtype, static_cast<char*>(out.logsumexp.data), l_at + i * LSE.row_stride, 1, 1, lse_value);
       }

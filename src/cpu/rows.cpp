@@ -118,6 +118,13 @@ void store_row_once(DType dtype, char* base, int64_t offset, int64_t stride, int
 
 bool rows_in_place(const core::Operand& op) { return op.dtype == DType::Float32 && op.col_stride == 1; }
 
+void store_hidden_keys(DType dtype, char* base, int64_t offset, int64_t stride, int64_t n, bool nan_row, float* tmp) {
+  if (n <= 0) return;
+  if (!nan_row) return store_zeros(dtype, base, offset, stride, n);
+  std::fill(tmp, tmp + n, std::numeric_limits<float>::quiet_NaN());
+  store_row(dtype, base, offset, stride, n, tmp);
+}
+
 void store_zeros(DType dtype, char* base, int64_t offset, int64_t stride, int64_t n) {
   const size_t size = dtype_size(dtype);
   char* p = base + offset * static_cast<int64_t>(size);

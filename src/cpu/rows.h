@@ -15,6 +15,10 @@ SDPA_MATH_CPU_BEGIN
 void load_row(DType dtype, const char* base, int64_t offset, int64_t stride, int64_t n, float* out);
 void store_row(DType dtype, char* base, int64_t offset, int64_t stride, int64_t n, const float* in);
 void store_zeros(DType dtype, char* base, int64_t offset, int64_t stride, int64_t n);
+// The n keys of a row of P past those it can see: zeros, or NaN where the row is NaN (a NaN row
+// is NaN throughout, the keys it cannot see too, as the math op's softmax gives). `tmp` holds n
+// floats.
+void store_hidden_keys(DType dtype, char* base, int64_t offset, int64_t stride, int64_t n, bool nan_row, float* tmp);
 // An operand whose rows the kernels read where they are, without a converted copy: fp32 with
 // unit column stride.
 bool rows_in_place(const core::Operand& op);

@@ -17,6 +17,7 @@
 #include <limits>
 #include <vector>
 
+#include "../core/element.h"
 #include "gemm.h"
 #include "kernels.h"
 #include "parallel.h"
@@ -99,13 +100,7 @@ void forward_stats(const core::Problem& p, const StatsOutputs& out) {
               for (int64_t j = 0; j < visible; ++j)
                 if (row[j] > 0.0f) h += static_cast<double>(row[j]) * (static_cast<double>(m) - logits[j]);
             }
-            const int64_t e_at = core::lead_offset(p, ENT, lead) + i * ENT.row_stride;
-            if (ENT.dtype == DType::Float64) {
-              reinterpret_cast<double*>(out.row_entropy->data)[e_at] = h;
-            } else {
-              const float hv[1] = {static_cast<float>(h)};
-              store_row(ENT.dtype, static_cast<char*>(out.row_entropy->data), e_at, 1, 1, hv);
-            }
+            core::store_from_double(ENT.dtype, out.row_entropy->data, core::lead_offset(p, ENT, lead) + i * ENT.row_stride, h);
           }
           if (want_cols) {
             if (nan_row) {  // a NaN row of P is NaN throughout, the keys it cannot see too
@@ -119,12 +114,8 @@ void forward_stats(const core::Problem& p, const StatsOutputs& out) {
             char* w_data = static_cast<char*>(out.rows->data);
             const int64_t w_at = core::lead_offset(p, WIN, lead) + (k / out.rows_step) * WIN.row_stride;
             store_row(WIN.dtype, w_data, w_at, WIN.col_stride, visible, row);
-            if (nan_row && S > visible) {  // NaN throughout, the keys the row cannot see too
-              std::fill(tmp.begin(), tmp.begin() + (S - visible), kNaN);
-              store_row(WIN.dtype, w_data, w_at + visible * WIN.col_stride, WIN.col_stride, S - visible, tmp.data());
-            } else {
-              store_zeros(WIN.dtype, w_data, w_at + visible * WIN.col_stride, WIN.col_stride, S - visible);
-            }
+            store_hidden_keys(WIN.dtype, w_data, w_at + visible * WIN.col_stride, WIN.col_stride, S - visible, nan_row,
+                              tmp.data());
           }
           const float lse_value[1] = {lse};
           store_row(LSE.dtype, static_cast<char*>(out.logsumexp.data), l_at + i * LSE.row_stride, 1, 1, lse_value);
@@ -136,13 +127,7 @@ void forward_stats(const core::Problem& p, const StatsOutputs& out) {
       if (want_cols) {
         if (groups == 1) {
           const int64_t c_at = core::lead_offset(p, CS, lead);
-          for (int64_t j = 0; j < S; ++j) {
-            const float v[1] = {static_cast<float>(cols[j])};
-            if (CS.dtype == DType::Float64)
-              reinterpret_cast<double*>(out.col_sum->data)[c_at + j * CS.row_stride] = cols[j];
-            else
-              store_row(CS.dtype, static_cast<char*>(out.col_sum->data), c_at + j * CS.row_stride, 1, 1, v);
-          }
+          for (int64_t j = 0; j < S; ++j) core::store_from_double(CS.dtype, out.col_sum->data, c_at + j * CS.row_stride, cols[j]);
         } else {
           std::copy(cols.begin(), cols.end(), partial.begin() + t * S);
         }
@@ -156,12 +141,7 @@ void forward_stats(const core::Problem& p, const StatsOutputs& out) {
       for (int64_t j = 0; j < S; ++j) {
         double sum = 0.0;
         for (int64_t g = 0; g < groups; ++g) sum += partial[(lead * groups + g) * S + j];
-        if (CS.dtype == DType::Float64) {
-          reinterpret_cast<double*>(out.col_sum->data)[c_at + j * CS.row_stride] = sum;
-        } else {
-          const float v[1] = {static_cast<float>(sum)};
-          store_row(CS.dtype, static_cast<char*>(out.col_sum->data), c_at + j * CS.row_stride, 1, 1, v);
-        }
+        core::store_from_double(CS.dtype, out.col_sum->data, c_at + j * CS.row_stride, sum);
       }
     }
   }
