@@ -115,9 +115,15 @@ ForwardShapes forward_shapes(const ForwardArgs& args);
 void forward(Backend backend, const ForwardArgs& args, const ForwardOutputs& out, const CudaExecution& cuda = {});
 void backward(Backend backend, const BackwardArgs& args, const BackwardOutputs& out, const CudaExecution& cuda = {});
 // Validates like forward (and refuses dropout), then computes O, lse and the statistics asked
-// for. The Reference and CPU backends have it; CUDA raises BackendUnavailable (for now the
-// Python package computes CUDA statistics from chunks of P instead).
+// for. The Reference and CPU backends take every problem; CUDA has a kernel for Hopper GPUs
+// (fp16/bf16 inputs as its forward takes them, fp32 col_sum and row_entropy, rows in the inputs'
+// dtype) and raises BackendUnavailable for anything else (the Python package computes those
+// statistics from chunks of P instead).
 void forward_stats(Backend backend, const ForwardArgs& args, const StatsOutputs& out, const CudaExecution& cuda = {});
+// Whether forward_stats has a kernel for these inputs, with the statistics asked for in outputs
+// as a caller allocates them fresh (contiguous; float32 statistics, float64 for float64 inputs;
+// rows_count rows of P in the inputs' dtype). Validates the inputs as forward does.
+bool forward_stats_has_kernel(Backend backend, const ForwardArgs& args, bool col_sum, bool row_entropy, int64_t rows_count);
 
 // Threads used by the CPU backend (0 = OpenMP's default).
 void set_cpu_threads(int n);

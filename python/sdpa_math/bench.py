@@ -797,7 +797,7 @@ def gate(run, baseline, threshold, current_hash=None, subset=False):
 # ---------------------------------------------------------------------------------------------
 # Statistics of P (issue 16): column sums and row entropy per head, forward only, no gradient.
 
-STATS_COLUMNS = ["ours", "chunks", "native", "compiled", "flash"]
+STATS_COLUMNS = ["ours", "rows64", "chunks", "native", "compiled", "flash"]
 
 
 def _reduce_stats(P):
@@ -808,7 +808,9 @@ def _reduce_stats(P):
 
 def stats_impls(device):
     """name -> fn(q, k, v, s, scale): the statistics-only forward by each way a user has.
-      ours     sdpa_math.stats.attention_stats (the fused operator on the CPU; chunks on CUDA)
+      ours     sdpa_math.stats.attention_stats (the fused operator: the CPU kernel, or on CUDA the
+               Hopper kernel where it takes the inputs, else chunks)
+      rows64   the same asked for P's last 64 rows only (SnapKV's window), no column sums or entropy
       chunks   the same with method="chunks" (chunks of P, each reduced and dropped)
       native   the math op's P, then the reductions
       compiled torch.compile of eager attention's P and the reductions (CUDA only: on the CPU its
@@ -832,7 +834,12 @@ def stats_impls(device):
         P = torch.softmax(scores.float(), dim=-1).to(q.dtype)
         return P @ v, _reduce_stats(P)
 
-    impls = {"ours": ours, "chunks": lambda q, k, v, s, scale: ours(q, k, v, s, scale, method="chunks"),
+    def rows64(q, k, v, s, scale):
+        return attention_stats(q, k, v, is_causal=s.causal, scale=scale, enable_gqa=s.Hq != s.Hkv,
+                               rows=slice(-64, None))
+
+    impls = {"ours": ours, "rows64": rows64,
+             "chunks": lambda q, k, v, s, scale: ours(q, k, v, s, scale, method="chunks"),
              "native": native,
              "flash": lambda q, k, v, s, scale: F.scaled_dot_product_attention(
                  q, k, v, is_causal=s.causal, scale=scale, enable_gqa=s.Hq != s.Hkv)}
@@ -846,6 +853,9 @@ def run_stats_row(impls, s: Shape, dtype, device, reps):
     q, k, v, _ = make_inputs(s, dtype, device)
     scale = 1.0 / math.sqrt(s.D)
     row = {"shape": s.name, "dtype": str(dtype).split(".")[-1], **dataclasses.asdict(s)}
+    # Whether "ours" ran the fused operator (always on the CPU; on CUDA where its kernel applies).
+    row["fused"] = bool(torch.ops.sdpa_math.forward_stats_has_kernel(q, k, v, None, s.causal, scale, s.Hq != s.Hkv,
+                                                                      True, True, 0))
     with torch.no_grad():
         fns = {name: (lambda f=f: f(q, k, v, s, scale)) for name, f in impls.items()}
         times, errors = interleaved_ms(fns, device, reps=reps)
@@ -880,19 +890,21 @@ def stats_markdown(run):
              f"Machine: {run['info'].get('gpu', run['info'].get('cpu', '?'))}, {run['info'].get('threads')} CPU threads; "
              f"torch {run['info'].get('torch')}; timing: {run['info'].get('timing')}; code {run['info'].get('code_hash')}.",
              "",
-             "ours: `attention_stats` (" + ("the fused CPU operator" if run["info"].get("device") == "cpu"
-                                           else "chunks of P on CUDA: no fused CUDA kernel yet") + "); "
+             "ours: `attention_stats`, the fused operator where it applies (fused = yes: the CPU kernel, or the "
+             "Hopper statistics kernel), else chunks of P; rows64: the same asked for P's last 64 rows only; "
              "chunks: the same by chunks of P; native: the math op's P, then the reductions; compiled: torch.compile "
              "of eager attention and the reductions; flash: PyTorch's fused kernel, no P and no statistics.", "",
-             "| shape | dtype | " + " | ".join(f"{c} ms" for c in STATS_COLUMNS) + " | ours x native | ours / flash |"
-             " err ours | err chunks | err native |",
-             "|" + "---|" * (2 + len(STATS_COLUMNS) + 2 + 3)]
+             "| shape | dtype | fused | " + " | ".join(f"{c} ms" for c in STATS_COLUMNS) +
+             " | ours x native | ours / flash | rows64 / flash | err ours | err chunks | err native |",
+             "|" + "---|" * (3 + len(STATS_COLUMNS) + 3 + 3)]
     for r in run["rows"]:
         ms = r["ms"]
         cells = [f"{ms[c]:.3f}" if c in ms else "—" for c in STATS_COLUMNS]
         err = lambda n: (f"{max(r['rel_err'][n].values()):.1e}" if n in r["rel_err"] else "—")  # noqa: E731
-        lines.append(f"| {r['shape']} | {r['dtype']} | " + " | ".join(cells) +
+        fused = {True: "yes", False: "no"}.get(r.get("fused"), "?")
+        lines.append(f"| {r['shape']} | {r['dtype']} | {fused} | " + " | ".join(cells) +
                      f" | {r['speedup_vs_native'].get('ours', float('nan')):.2f} | {r['x_flash'].get('ours', float('nan')):.2f}"
+                     f" | {r['x_flash'].get('rows64', float('nan')):.2f}"
                      f" | {err('ours')} | {err('chunks')} | {err('native')} |")
     lines += ["", "err: the larger relative (Frobenius) error of col_sum and row_entropy against float64."]
     return "\n".join(lines) + "\n"

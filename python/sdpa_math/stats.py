@@ -1,9 +1,11 @@
 """Statistics of the probability map P without holding all of it (issue 16).
 
 Two ways, the same statistics to rounding (docs/statistics.md). Column sums, row entropy and
-chosen rows on the CPU, with no gradient wanted, come from one fused operator (torch.ops.sdpa_math.forward_stats, src/cpu/stats.cpp)
-that reduces each row of P in cache and never writes it: extra memory O(B·H·(L + S)). Everything
-else runs sdpa_math.attention on chunks of query rows, reduces each chunk's P to the statistics
+chosen rows with no gradient wanted come from one fused operator (torch.ops.sdpa_math.forward_stats)
+that reduces P on chip or in cache and never writes it: on the CPU for every input
+(src/cpu/stats.cpp, extra memory O(B·H·(L + S))), on CUDA where its Hopper kernel takes the
+inputs (src/cuda/sm90/forward_sm90.cu: fp16/bf16 as the Hopper forward takes them; extra memory
+4·B·H·⌈L/64⌉·S bytes for the column sums, at most 64 MiB at a time). Everything else runs sdpa_math.attention on chunks of query rows, reduces each chunk's P to the statistics
 asked for, and drops it. With gradients, each chunk runs under
 torch.utils.checkpoint (use_reentrant=False), so the graph keeps the chunk's inputs (views of
 the caller's tensors and two integers) instead of its P, and backward recomputes one chunk's P
@@ -87,8 +89,8 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         sum_j Pref log(Pref / P) (terms with Pref = 0 are 0; +inf where Pref > 0 and P = 0).
     chunk_rows: query rows per chunk; default: a chunk's P is at most 64 MiB.
     method: "auto" (the fused operator where it applies, else chunks), "fused" (raises
-        ValueError where it does not apply: CUDA inputs, a gradient wanted, or head_mean or
-        kl_to asked for), "chunks" (always the chunked composition).
+        ValueError where it does not apply: a gradient wanted, head_mean or kl_to asked for, or
+        CUDA inputs its kernel does not take), "chunks" (always the chunked composition).
 
     Every output is differentiable through q, k, v and a float mask (and kl_to's reference).
     """
@@ -147,13 +149,16 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     use_checkpoint = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
     outs, cols, ents, kls, heads, picked = [], [], [], [], [], []
-    fused_applies = (query.device.type == "cpu" and not use_checkpoint and not head_mean and kl_to is None
-                     and (col_sum is not None or row_entropy or win is not None))
+    first, count, step = (win[0], len(range(*win)), win[2]) if win is not None else (0, 0, 1)
+    fused_applies = (not use_checkpoint and not head_mean and kl_to is None
+                     and (col_sum is not None or row_entropy or win is not None) and method != "chunks"
+                     and ops.forward_stats_has_kernel(query, key, value, attn_mask, is_causal, scale, enable_gqa,
+                                                      col_sum is not None, row_entropy, count))
     if method == "fused" and not fused_applies:
-        raise ValueError("attention_stats: method='fused' takes col_sum, row_entropy and rows of CPU inputs with no "
-                         "gradient wanted; use method='auto' for the chunked composition elsewhere")
-    if fused_applies and method != "chunks":
-        first, count, step = (win[0], len(range(*win)), win[2]) if win is not None else (0, 0, 1)
+        raise ValueError("attention_stats: method='fused' takes col_sum, row_entropy and rows with no gradient wanted, "
+                         "of CPU inputs or of CUDA inputs its Hopper kernel takes (torch.ops.sdpa_math."
+                         "forward_stats_has_kernel); use method='auto' for the chunked composition elsewhere")
+    if fused_applies:
         o, _, cs_rows, ent_rows, win_rows = ops.forward_stats(query, key, value, attn_mask, is_causal, scale, enable_gqa,
                                                               col_sum is not None, row_entropy, first, count, step)
         outs.append(o)

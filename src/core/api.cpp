@@ -1,5 +1,7 @@
 // The entry points: validate once (src/core/validate.cpp), then hand the normalized problem to a
 // backend. Float64 inputs on the CPU backend go to the reference, which computes in float64.
+#include <cstdint>
+
 #include "../cpu/kernels.h"
 #include "../reference/reference.h"
 #include "problem.h"
@@ -83,18 +85,44 @@ void backward(Backend backend, const BackwardArgs& args, const BackwardOutputs& 
 }
 
 void forward_stats(Backend backend, const ForwardArgs& args, const StatsOutputs& out, const CudaExecution& cuda) {
-  (void)cuda;
   const core::Problem p = core::make_problem(args);
   core::check_stats_outputs(p, out);
   check_backend(backend, p);
-  if (backend == Backend::Cuda)
-    throw Error(ErrorCode::BackendUnavailable,
-                "attention statistics without P have no CUDA kernel yet (sdpa_math.stats.attention_stats computes them "
-                "from chunks of P on CUDA)");
+#ifdef SDPA_MATH_WITH_CUDA
+  if (backend == Backend::Cuda) return cuda::forward_stats(p, out, cuda);
+#else
+  (void)cuda;
+#endif
   if (backend == Backend::Reference || p.dtype == DType::Float64)
     reference::forward_stats(p, out);
   else
     cpu::forward_stats(p, out);
+}
+
+bool forward_stats_has_kernel(Backend backend, const ForwardArgs& args, bool col_sum, bool row_entropy, int64_t rows_count) {
+  const core::Problem p = core::make_problem(args);
+  check_backend(backend, p);
+  if (backend != Backend::Cuda) return true;
+#ifdef SDPA_MATH_WITH_CUDA
+  // Outputs as a caller allocates them fresh: contiguous, at an address aligned as an allocation
+  // is. Only their layout is asked about; the placeholder address is never dereferenced.
+  void* const placeholder = reinterpret_cast<void*>(std::uintptr_t{256});
+  const DType stat = p.dtype == DType::Float64 ? DType::Float64 : DType::Float32;
+  Shape cols = p.shapes.logsumexp, window = p.shapes.attn_probs;
+  cols.dims[cols.ndim - 1] = p.S;
+  window.dims[window.ndim - 2] = rows_count;
+  StatsOutputs out{contiguous_view(placeholder, p.dtype, p.shapes.output, p.device),
+                   contiguous_view(placeholder, stat, p.shapes.logsumexp, p.device)};
+  if (col_sum) out.col_sum = contiguous_view(placeholder, stat, cols, p.device);
+  if (row_entropy) out.row_entropy = contiguous_view(placeholder, stat, p.shapes.logsumexp, p.device);
+  if (rows_count > 0) out.rows = contiguous_view(placeholder, p.dtype, window, p.device);
+  return cuda::stats_kernel_applies(p, out);
+#else
+  (void)col_sum;
+  (void)row_entropy;
+  (void)rows_count;
+  return false;
+#endif
 }
 
 }  // namespace sdpa_math

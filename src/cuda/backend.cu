@@ -242,6 +242,57 @@ void forward(const core::Problem& p, const ForwardOutputs& out, const CudaExecut
   else generic_forward<float>(dp, stream);
 }
 
+#ifdef SDPA_MATH_WITH_SM90
+namespace {
+sm90::StatsTargets stats_targets(const core::Problem& p, const StatsOutputs& out) {
+  sm90::StatsTargets t;
+  if (out.col_sum) t.col_sum = output_to_device(p, *out.col_sum, false);
+  if (out.row_entropy) t.entropy = output_to_device(p, *out.row_entropy, false);
+  if (out.rows) {
+    t.rows = output_to_device(p, *out.rows, true);
+    t.rows_first = out.rows_first;
+    t.rows_step = out.rows_step;
+    t.rows_count = out.rows->shape.dims[out.rows->shape.ndim - 2];
+  }
+  return t;
+}
+}  // namespace
+#endif
+
+bool stats_kernel_applies(const core::Problem& p, const StatsOutputs& out) {
+#ifdef SDPA_MATH_WITH_SM90
+  DeviceGuard guard(p.device.index);
+  DevProblem dp = to_device(p);
+  dp.out = output_to_device(p, out.output, true);
+  dp.lse = output_to_device(p, out.logsumexp, false);
+  return sm90::stats_applies(dp, stats_targets(p, out));
+#else
+  (void)p;
+  (void)out;
+  return false;
+#endif
+}
+
+void forward_stats(const core::Problem& p, const StatsOutputs& out, const CudaExecution& ex) {
+#ifdef SDPA_MATH_WITH_SM90
+  DeviceGuard guard(p.device.index);
+  auto stream = static_cast<cudaStream_t>(ex.stream);
+  DevProblem dp = to_device(p);
+  dp.out = output_to_device(p, out.output, true);
+  dp.lse = output_to_device(p, out.logsumexp, false);
+  const sm90::StatsTargets t = stats_targets(p, out);
+  if (sm90::stats_applies(dp, t)) {
+    Scratch scratch(ex, stream);
+    if (sm90::forward_stats(dp, t, scratch.uninitialized<float>(sm90::stats_workspace_floats(dp, t)), stream)) return;
+  }
+#else
+  (void)ex;
+#endif
+  throw Error(ErrorCode::BackendUnavailable, std::string("attention statistics without P: no CUDA kernel takes this problem ") +
+                                                 stats_kernel_requirements + " (sdpa_math.stats.attention_stats computes them "
+                                                 "from chunks of P instead)");
+}
+
 void backward(const core::Problem& p, const BackwardArgs& args, const BackwardOutputs& out, const CudaExecution& ex) {
   DeviceGuard guard(p.device.index);
   auto stream = static_cast<cudaStream_t>(ex.stream);

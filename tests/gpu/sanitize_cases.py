@@ -1,13 +1,14 @@
 """A few forward+backward calls of every CUDA kernel family, small enough to run under
 compute-sanitizer (memcheck, racecheck, synccheck, initcheck): tails in L and S, padded head sizes, masks, causal,
-GQA, dropout, strided inputs, fp16/bf16 (tensor cores), a few query rows (the decode path) and
-fp32/fp64 (generic path).
+GQA, dropout, strided inputs, fp16/bf16 (tensor cores), a few query rows (the decode path),
+fp32/fp64 (generic path), and the Hopper statistics kernel.
 
     compute-sanitizer --tool memcheck python3 tests/gpu/sanitize_cases.py
 """
 import torch
 
 import sdpa_math
+from sdpa_math.stats import attention_stats
 
 
 def run(dtype, B, Hq, Hkv, L, S, E, Ev, causal=False, mask=None, dropout=0.0, transposed=False, blhe=False):
@@ -38,7 +39,27 @@ def run(dtype, B, Hq, Hkv, L, S, E, Ev, causal=False, mask=None, dropout=0.0, tr
     torch.autograd.grad(probs, leaves, torch.randn_like(probs))
 
 
+def stats(dtype, B, Hq, Hkv, L, S, E, Ev, causal=False, mask=False, rows=None):
+    """The Hopper statistics kernel (column sums, entropy, a rows window) and its column pass."""
+    gen = torch.Generator(device="cuda").manual_seed(L * 1000 + S + 1)
+    q, k, v = (torch.randn(B, h, n, e, device="cuda", dtype=dtype, generator=gen)
+               for h, n, e in ((Hq, L, E), (Hkv, S, E), (Hkv, S, Ev)))
+    m = None
+    if mask:
+        m = torch.rand(L, S, device="cuda", generator=gen) < 0.7
+        m[1] = False
+    # auto: the kernel on Hopper, the chunks when it is off (SDPA_MATH_SM90=0)
+    attention_stats(q, k, v, m, is_causal=causal, enable_gqa=Hq != Hkv, col_sum="per_head", row_entropy=True,
+                    rows=rows)
+
+
 def main():
+    for dtype in (torch.float16, torch.bfloat16):
+        stats(dtype, 1, 2, 2, 130, 200, 64, 64, rows=slice(-3, None))
+        stats(dtype, 2, 4, 2, 190, 250, 128, 96, mask=True, rows=slice(1, None, 37))
+        stats(dtype, 1, 2, 2, 257, 1100, 128, 128, causal=True, rows=slice(5, None, 37))
+        stats(dtype, 2, 2, 2, 3, 77, 64, 64)
+        stats(dtype, 2, 2, 2, 1, 600, 128, 128)
     for dtype in (torch.float16, torch.bfloat16):
         run(dtype, 1, 2, 2, 70, 133, 64, 64)                               # sm90 on Hopper
         run(dtype, 2, 4, 2, 130, 200, 80, 80, blhe=True, causal=True)      # sm90: views, GQA, causal

@@ -1,5 +1,5 @@
 """What the CUDA test files share: the Hopper skip mark, the names of the kernels a call launches,
-and (B, H, N, E) inputs and masks in the layouts and forms models pass."""
+(B, H, N, E) inputs and masks in the layouts and forms models pass, and the float64 reference."""
 import pytest
 import torch
 
@@ -55,3 +55,24 @@ def make_mask(kind, B, H, L, S, dtype, gen):
         keep[:, :, 5] = False  # fully masked rows: P = O = 0, lse = -inf
         return keep
     raise ValueError(kind)
+
+
+def reference(q, k, v, mask, causal, scale, gqa):
+    """float64 on the GPU, straight from the definition; rows with no visible key give P = O = 0."""
+    q, k, v = q.double(), k.double(), v.double()
+    if gqa:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = q @ k.transpose(-1, -2) * scale
+    L, S = s.shape[-2:]
+    visible = torch.ones(L, S, dtype=torch.bool, device=s.device)
+    if causal:
+        visible = torch.ones(L, S, dtype=torch.bool, device=s.device).tril()
+    if mask is not None and mask.dtype == torch.bool:
+        visible = visible & mask
+    elif mask is not None:
+        s = s + mask.double()
+    s = s.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.softmax(s, -1).nan_to_num(0.0)  # not exp(s - lse): a row held at finfo.min rounds lse to s
+    return p @ v, p, lse

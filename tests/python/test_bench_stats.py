@@ -14,7 +14,7 @@ TINY_CAUSAL = Shape("tiny_causal", 1, 2, 2, 32, 32, 8, True)
 
 def test_every_cpu_way_gives_the_same_statistics():
     impls = bench.stats_impls("cpu")
-    assert set(impls) == {"ours", "chunks", "native", "flash"}  # compiled is CUDA-only
+    assert set(impls) == {"ours", "rows64", "chunks", "native", "flash"}  # compiled is CUDA-only
     for s in (TINY, TINY_CAUSAL):
         q, k, v, _ = make_inputs(s, torch.float32, "cpu")
         scale = s.D ** -0.5
@@ -25,12 +25,16 @@ def test_every_cpu_way_gives_the_same_statistics():
                 cs, ent = (res[1]["col_sum"], res[1]["row_entropy"]) if isinstance(res[1], dict) else res
                 torch.testing.assert_close(cs.double(), ref[0], rtol=1e-5, atol=1e-6, msg=name)
                 torch.testing.assert_close(ent.double(), ref[1], rtol=1e-5, atol=1e-6, msg=name)
+            _, P = bench.aten_math(q, k, v, is_causal=s.causal, scale=scale, enable_gqa=s.Hq != s.Hkv)
+            _, st = impls["rows64"](q, k, v, s, scale)  # L < 64 here: every row
+            torch.testing.assert_close(st["rows"], P[..., -64:, :], rtol=1e-5, atol=1e-6)
 
 
 def test_a_row_and_its_report(tmp_path):
     impls = bench.stats_impls("cpu")
     row = bench.run_stats_row(impls, TINY, torch.bfloat16, "cpu", reps=3)
-    assert set(row["ms"]) == {"ours", "chunks", "native", "flash"} and not row["errors"]
+    assert set(row["ms"]) == {"ours", "rows64", "chunks", "native", "flash"} and not row["errors"]
+    assert row["fused"] is True  # the CPU operator takes every input
     assert all(t > 0 for t in row["ms"].values())
     # bf16 inputs: the fused operator reduces fp32 rows of P; the others reduce P rounded to bf16
     assert max(row["rel_err"]["ours"].values()) <= 1e-5
@@ -39,4 +43,4 @@ def test_a_row_and_its_report(tmp_path):
     run = {"info": {**bench.machine_info("cpu"), "timing": "wall"}, "rows": [row]}
     json.dumps(run)
     md = bench.stats_markdown(run)
-    assert "| tiny | bfloat16 |" in md and md.count("\n|") == 3
+    assert "| tiny | bfloat16 | yes |" in md and md.count("\n|") == 3

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import sdpa_math
-from cuda_helpers import HALF_DTYPES, cuda_kernels, dtype_id, make, make_mask, sm90_only
+from cuda_helpers import HALF_DTYPES, cuda_kernels, dtype_id, make, make_mask, reference, sm90_only
 
 pytestmark = sm90_only
 
@@ -24,27 +24,6 @@ TOL = {torch.float16: (2e-3, 2e-4), torch.bfloat16: (1.6e-2, 2e-3)}
 @pytest.fixture(autouse=True)
 def _poison_outputs(monkeypatch):
     monkeypatch.setenv("SDPA_MATH_POISON_OUTPUTS", "1")
-
-
-def reference(q, k, v, mask, causal, scale, gqa):
-    """float64 on the GPU, straight from the definition; rows with no visible key give P = O = 0."""
-    q, k, v = q.double(), k.double(), v.double()
-    if gqa:
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    s = q @ k.transpose(-1, -2) * scale
-    L, S = s.shape[-2:]
-    visible = torch.ones(L, S, dtype=torch.bool, device=s.device)
-    if causal:
-        visible = torch.ones(L, S, dtype=torch.bool, device=s.device).tril()
-    if mask is not None and mask.dtype == torch.bool:
-        visible = visible & mask
-    elif mask is not None:
-        s = s + mask.double()
-    s = s.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(s, -1)
-    p = torch.softmax(s, -1).nan_to_num(0.0)  # not exp(s - lse): a row held at finfo.min rounds lse to s
-    return p @ v, p, lse
 
 
 SHAPES = [  # B, Hq, Hkv, L, S, E, Ev

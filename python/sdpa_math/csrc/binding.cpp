@@ -174,12 +174,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_kernel(
   });
 }
 
-// Statistics of P without writing it (sdpa_math::forward_stats; the CPU backend has it, CUDA
-// raises BackendUnavailable). Returns (output, logsumexp, col_sum, row_entropy, rows) with the
-// statistics in float32 (float64 for float64 inputs) and rows (P at query rows rows_first +
-// k rows_step, k < rows_count) in the inputs' dtype; one not asked for comes back as an empty
-// tensor of shape (0,). No dropout and no autograd: python/sdpa_math/stats.py calls it only
-// when no gradient is wanted.
+// Statistics of P without writing it (sdpa_math::forward_stats; the CPU backend takes every
+// problem, CUDA those of its Hopper kernel: forward_stats_has_kernel says which). Returns
+// (output, logsumexp, col_sum, row_entropy, rows) with the statistics in float32 (float64 for
+// float64 inputs) and rows (P at query rows rows_first + k rows_step, k < rows_count) in the
+// inputs' dtype; one not asked for comes back as an empty tensor of shape (0,). No dropout and
+// no autograd: python/sdpa_math/stats.py calls it only when no gradient is wanted.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_stats_kernel(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask, bool is_causal,
     std::optional<double> scale, bool enable_gqa, bool col_sum, bool row_entropy, int64_t rows_first, int64_t rows_count,
@@ -214,6 +214,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_s
     sdpa_math::forward_stats(backend_for(q), a, o, cuda_execution(q));
     auto or_empty = [&](const at::Tensor& t) { return t.defined() ? t : at::empty({0}, q.options().dtype(stat_dtype)); };
     return std::make_tuple(out, lse, or_empty(cs), or_empty(ent), win.defined() ? win : at::empty({0}, q.options()));
+  });
+}
+
+// Whether forward_stats has a kernel for these inputs (always on the CPU; on CUDA, the Hopper
+// statistics kernel's conditions), with outputs as forward_stats allocates them.
+bool forward_stats_has_kernel_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const std::optional<at::Tensor>& mask, bool is_causal, std::optional<double> scale,
+                                 bool enable_gqa, bool col_sum, bool row_entropy, int64_t rows_count) {
+  return checked([&] {
+    const at::OptionalDeviceGuard guard(at::device_of(q));
+    const sdpa_math::ForwardArgs a = forward_args(q, k, v, mask, 0.0, is_causal, std::nullopt, scale, enable_gqa, std::nullopt);
+    return sdpa_math::forward_stats_has_kernel(backend_for(q), a, col_sum, row_entropy, rows_count);
   });
 }
 
@@ -320,12 +332,16 @@ TORCH_LIBRARY(sdpa_math, m) {
       "forward_stats(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, bool is_causal, float? scale, "
       "bool enable_gqa, bool col_sum, bool row_entropy, int rows_first, int rows_count, int rows_step) "
       "-> (Tensor output, Tensor logsumexp, Tensor col_sum, Tensor row_entropy, Tensor rows)");
+  m.def(
+      "forward_stats_has_kernel(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, bool is_causal, float? scale, "
+      "bool enable_gqa, bool col_sum, bool row_entropy, int rows_count) -> bool");
 }
 
 TORCH_LIBRARY_IMPL(sdpa_math, CPU, m) {
   m.impl("forward", &forward_kernel);
   m.impl("backward", &backward_kernel);
   m.impl("forward_stats", &forward_stats_kernel);
+  m.impl("forward_stats_has_kernel", &forward_stats_has_kernel_op);
 }
 
 #ifdef SDPA_MATH_WITH_CUDA
@@ -333,6 +349,7 @@ TORCH_LIBRARY_IMPL(sdpa_math, CUDA, m) {
   m.impl("forward", &forward_kernel);
   m.impl("backward", &backward_kernel);
   m.impl("forward_stats", &forward_stats_kernel);
+  m.impl("forward_stats_has_kernel", &forward_stats_has_kernel_op);
 }
 #else
 // A build without a CUDA compiler: CUDA tensors get this instead of the dispatcher's "could not
@@ -345,5 +362,6 @@ TORCH_LIBRARY_IMPL(sdpa_math, CUDA, m) {
   m.impl("forward", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
   m.impl("backward", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
   m.impl("forward_stats", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
+  m.impl("forward_stats_has_kernel", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
 }
 #endif

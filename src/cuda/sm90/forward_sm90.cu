@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "../launch.cuh"
@@ -58,6 +59,22 @@ struct Args {
                 // (decided here: a double compare in the kernel waits on the tensor-core pipe)
   float scale;       // the scale in fp32, and times log2 e (unmasked scores are in base-2 units)
   float scale_log2;
+  int64_t lead0 = 0, leads = 0;  // this launch's lead indices: lead0 .. lead0 + leads - 1
+};
+
+// The statistics kernel's targets (forward_sm90<..., STATS = true>: P is not written).
+// Column sums leave as one partial row per warpgroup (64 query rows), in a fixed order, so the
+// sums do not depend on timing: col_part[(lead - lead0) * slots + slot][j] for the keys the
+// warpgroup's CTA covers (slot = 2 * row tile + warpgroup; causal CTAs stop at their diagonal
+// tile), and col_nan[...][slot] = NaN when one of the slot's rows is NaN (a NaN row of P is NaN
+// at every key, the ones past the diagonal too), else untouched (zeroed by the caller).
+// stats_columns() adds the slots up afterwards.
+struct StatsArgs {
+  float* col_part = nullptr;  // nullptr: no column sums
+  float* col_nan = nullptr;
+  DevOperand ent;             // row entropy, fp32 (data nullptr: not wanted)
+  DevOperand win;             // P's rows first + k * step, k < count, in the inputs' dtype
+  int64_t win_first = 0, win_step = 1, win_count = 0;
 };
 
 // Max over this thread's elements of accumulator row r (s[4n + 2r], s[4n + 2r + 1]) as a tree,
@@ -92,6 +109,41 @@ SDPA_MATH_D float row_sum_exp(const float (&s)[N], int r, float mul, float m) {
   return (acc[0] + acc[1]) + (acc[2] + acc[3]);
 }
 
+// STATS: the warpgroup's 64 rows of P summed per key of the tile at j0. This thread holds its two
+// rows' sums at keys 8n + 2t (+1) in col[2n] (col[2n + 1]); a reduce-scatter over the warp's
+// eight row groups (lanes xor 16, 8, 4) leaves each lane four keys' sums over the warp's 16 rows,
+// the four warps meet in shared memory (buf: [4][kBN]), and thread k adds key k's four partials
+// in a fixed order and writes them to out[k] (k < keys). No atomics: the same sums every run.
+SDPA_MATH_D void column_sums(float (&col)[kBN / 4], float* buf, int warp, int lane, int tid, int bar, float* out,
+                             int64_t keys) {
+  static_assert(kBN == 128, "the reduce-scatter below halves 32 values three times");
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const bool hi = lane & 16;
+    const float keep = hi ? col[i + 16] : col[i], give = hi ? col[i] : col[i + 16];
+    col[i] = keep + __shfl_xor_sync(0xffffffffu, give, 16);
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const bool hi = lane & 8;
+    const float keep = hi ? col[i + 8] : col[i], give = hi ? col[i] : col[i + 8];
+    col[i] = keep + __shfl_xor_sync(0xffffffffu, give, 8);
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const bool hi = lane & 4;
+    const float keep = hi ? col[i + 4] : col[i], give = hi ? col[i] : col[i + 4];
+    col[i] = keep + __shfl_xor_sync(0xffffffffu, give, 4);
+  }
+  // Lane (g, t) now holds keys 16g + 2t (+1) in col[0] (col[1]) and 16g + 8 + 2t (+1) in col[2] (col[3]).
+  const int g = lane >> 2, t = lane & 3;
+  float* mine = buf + warp * kBN + 16 * g + 2 * t;
+  *reinterpret_cast<float2*>(mine) = make_float2(col[0], col[1]);
+  *reinterpret_cast<float2*>(mine + 8) = make_float2(col[2], col[3]);
+  named_barrier(bar, 128);
+  if (tid < keys) out[tid] = (buf[tid] + buf[kBN + tid]) + (buf[2 * kBN + tid] + buf[3 * kBN + tid]);
+}
+
 // The mask's element type, fixed per kernel so its loads are plain typed loads.
 enum class MaskKind : int { None, Bool, Same /* the inputs' dtype */, Float32 };
 
@@ -113,11 +165,15 @@ struct MaskPair {
 // natural units (x = s * scale + mask), so a row held at a float mask's finfo.min still has
 // finite logits (their base-2 form would overflow fp32) and gives the math op's uniform row;
 // exponents are taken of differences, (x - m) * log2 e.
-template <typename T, int D, MaskKind MASK>
+//
+// STATS: the statistics kernel. P is not written (except the rows of st.win); pass 2 reduces it
+// instead: each row's entropy −Σ P log P = log l + Σ_j P_j (m − x_j) (every term ≥ 0, no
+// cancellation; m the row's max logit, l its sum of exp(x − m)) and the warpgroup's column sums.
+template <typename T, int D, MaskKind MASK, bool STATS>
 __global__ void __launch_bounds__(kThreads, 1)
     forward_sm90(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                  const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_p, const DevProblem p,
-                 const Args a, const int64_t tiles) {
+                 const Args a, const StatsArgs st, const int64_t tiles) {
   using C = Tiles<D>;
   constexpr bool kMasked = MASK != MaskKind::None;
   constexpr float kNegInf = -INFINITY;
@@ -134,9 +190,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* v_empty = v_full + C::kVStages;
   uint64_t* q_full = v_empty + C::kVStages;
 
-  // The longest causal row blocks first, over every head.
-  const int64_t lead = blockIdx.x % p.num_lead;
-  const int64_t i0 = (tiles - 1 - blockIdx.x / p.num_lead) * kBM;
+  // The longest causal row blocks first, over every head of the launch.
+  const int64_t lead = a.lead0 + blockIdx.x % a.leads;
+  const int64_t row_tile = tiles - 1 - blockIdx.x / a.leads;
+  const int64_t i0 = row_tile * kBM;
   const int64_t j_end = p.causal ? (i0 + kBM < p.S ? i0 + kBM : p.S) : p.S;
   const int n_tiles = static_cast<int>((j_end + kBN - 1) / kBN);
 
@@ -199,8 +256,18 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t row[2] = {i0 + cw * 64 + warp * 16 + g, i0 + cw * 64 + warp * 16 + g + 8};
   const bool row_ok[2] = {row[0] < p.L, row[1] < p.L};
   const int64_t warp_row0 = i0 + cw * 64 + warp * 16;
-  T* P = reinterpret_cast<T*>(p.probs.data) + lead_off(p, p.probs, lead);
-  T* p_row[2] = {P + row[0] * p.probs.row, P + row[1] * p.probs.row};
+  T* P = STATS ? nullptr : reinterpret_cast<T*>(p.probs.data) + lead_off(p, p.probs, lead);
+  T* p_row[2] = {nullptr, nullptr};  // where this thread's rows of P go (STATS: window rows only)
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if constexpr (STATS) {
+      const int64_t k = row[r] - st.win_first;
+      if (row_ok[r] && k >= 0 && k % st.win_step == 0 && k / st.win_step < st.win_count)
+        p_row[r] = reinterpret_cast<T*>(st.win.data) + lead_off(p, st.win, lead) + (k / st.win_step) * st.win.row;
+    } else {
+      p_row[r] = P + row[r] * p.probs.row;
+    }
+  }
   using Mask = MaskPair<T, MASK == MaskKind::None ? MaskKind::Bool : MASK>;
   const char* m_row[2] = {nullptr, nullptr};
   if constexpr (kMasked) {
@@ -340,6 +407,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // Pass 2: P once, O += u V.
+  float h[2] = {0.0f, 0.0f};  // STATS: Σ u (m − x) over this thread's elements of each row
+  const float col_w[2] = {row_ok[0] ? inv_l[0] : 0.0f, row_ok[1] ? inv_l[1] : 0.0f};  // STATS: P = u · col_w
+  float* col_buf = reinterpret_cast<float*>(p_tile);  // STATS: 2 x [4 warps][kBN] column sums
+  float* col_out = nullptr;  // STATS: this warpgroup's partial row of column sums
+  if constexpr (STATS) {
+    if (st.col_part != nullptr) col_out = st.col_part + ((lead - a.lead0) * 2 * tiles + 2 * row_tile + cw) * p.S;
+  }
   float o[D / 2];
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
@@ -354,11 +428,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (!raw) to_logits(s, j0, clean);
     const float mul = raw ? scale : 1.0f;
     const int keys = static_cast<int>(p.S - j0 < kBN ? p.S - j0 : kBN);  // P columns of this tile
-    if (a.p_tma) {  // the P tile's last TMA store has read shared memory before it is rewritten
+    if (!STATS && a.p_tma) {  // the P tile's last TMA store has read shared memory before it is rewritten
       if (p_leader) bulk_wait_read<0>();
       named_barrier(p_bar, 128);
     }
     uint32_t u_frag[kBN / 16][4];
+    float col[STATS ? kBN / 4 : 1];  // this thread's two rows of P summed: keys 8n + 2t (+1) at 2n (+1)
 #pragma unroll
     for (int n = 0; n < kBN / 8; ++n)
 #pragma unroll
@@ -369,14 +444,27 @@ __global__ void __launch_bounds__(kThreads, 1)
         u_frag[n / 2][(n & 1) * 2 + r] = pack2<T>(u0, u1);
         const uint32_t pr = pack2<T>(u0 * inv_l[r], u1 * inv_l[r]);
         const int jj = n * 8 + 2 * t;  // S is even (forward_applies): pairs never straddle the end
-        if (a.p_tma) {
+        if (!STATS && a.p_tma) {
           const int rr = warp * 16 + g + 8 * r;
           *reinterpret_cast<uint32_t*>(p_tile + (n / 8) * 64 * 64 + swizzled_pair(rr, n % 8, t)) = pr;
-        } else if (row_ok[r] && (clean || jj < keys)) {
+        } else if ((STATS ? p_row[r] != nullptr : row_ok[r]) && (clean || jj < keys)) {
           *reinterpret_cast<uint32_t*>(p_row[r] + j0 + jj) = pr;
         }
+        if constexpr (STATS) {
+          // P for the column sums (rows past L count 0: clean tiles do not mask them, and their
+          // zero-filled queries give a uniform row; inv_l is 0 for a fully masked row), and
+          // u (m − x) for the entropy: 0 where u = 0 (hidden keys: x = -inf).
+          const float p0 = u0 * col_w[r], p1 = u1 * col_w[r];
+          col[2 * n] = r ? col[2 * n] + p0 : p0;
+          col[2 * n + 1] = r ? col[2 * n + 1] + p1 : p1;
+          if (st.ent.data != nullptr) {
+            const float d0 = fminf(fmaf(-s[4 * n + 2 * r], mul, m[r]), 1e30f);
+            const float d1 = fminf(fmaf(-s[4 * n + 2 * r + 1], mul, m[r]), 1e30f);
+            h[r] = fmaf(u1, d1, fmaf(u0, d0, h[r]));
+          }
+        }
       }
-    if (a.p_tma) {  // the tile to global memory (TMA clips it at L and S), while the products run
+    if (!STATS && a.p_tma) {  // the tile to global memory (TMA clips it at L and S), while the products run
       fence_proxy_async();
       named_barrier(p_bar, 128);
       if (p_leader) {
@@ -401,9 +489,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     turn_end();
     wgmma_wait<0>();
     fence_regs(o);
+    // The column sums once u's registers are free (the other warpgroup's products run meanwhile):
+    // during the product they would push the kernel past its registers.
+    if constexpr (STATS) {
+      if (st.col_part != nullptr) column_sums(col, col_buf + (nt & 1) * 4 * kBN, warp, lane, tid, p_bar, col_out + j0, p.S - j0);
+    }
     if (lane == 0) mbar_arrive(&v_empty[v_stage]);
   }
-  if (a.p_tma && p_leader) bulk_wait_read<0>();  // shared memory outlives the last store's reads
+  if (!STATS && a.p_tma && p_leader) bulk_wait_read<0>();  // shared memory outlives the last store's reads
 
   // O = (u V) / l, two columns a store.
   T* O = reinterpret_cast<T*>(p.out.data) + lead_off(p, p.out, lead);
@@ -419,9 +512,30 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
 
+  const int64_t z0 = static_cast<int64_t>(n_tiles) * kBN;
+  if constexpr (STATS) {
+    // Entropy log l + Σ P (m − x) in natural units (unmasked problems count x and m in base 2);
+    // 0 for a fully masked row, NaN for a NaN row (its l).
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float total = quad_sum(l[r]), sum_h = quad_sum(h[r]);
+      if (st.ent.data != nullptr && t == 0 && row_ok[r]) {
+        const float ent = total > 0.0f ? logf(total) + (kMasked ? sum_h : sum_h * 0.6931471805599453f) / total
+                          : total == 0.0f ? 0.0f
+                                          : total;
+        reinterpret_cast<float*>(st.ent.data)[lead_off(p, st.ent, lead) + row[r] * st.ent.row] = ent;
+      }
+      // Keys right of the CTA's last tile (causal): hidden from the row; NaN in a NaN row.
+      if (p_row[r] != nullptr)
+        for (int64_t c = z0 + t; c < p.S; c += 4) p_row[r][c] = from_float<T>(total != total ? total : 0.0f);
+      if (st.col_part != nullptr && __any_sync(0xffffffffu, total != total) && lane == 0)
+        st.col_nan[(lead - a.lead0) * 2 * tiles + 2 * row_tile + cw] = NAN;
+    }
+    return;
+  }
+
   // Causal: the keys right of the last tile are hidden from every row of the CTA: zeros, 16 bytes
   // a store where rows allow.
-  const int64_t z0 = static_cast<int64_t>(n_tiles) * kBN;
   if (z0 < p.S) {
     const int64_t rows = (p.L - i0 < kBM ? p.L - i0 : kBM);
     const int ct = threadIdx.x - 128;
@@ -443,27 +557,51 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // ---- host side --------------------------------------------------------------------------------
 
-template <typename T, int D, MaskKind MASK>
-void launch(const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& v, const CUtensorMap& pm,
-            const DevProblem& p, const Args& a, cudaStream_t stream) {
-  const int64_t tiles = (p.L + kBM - 1) / kBM;
-  const int64_t blocks = tiles * p.num_lead;
-  const unsigned grid = grid_x(blocks, "sm90 forward");
-  const auto kernel = &forward_sm90<T, D, MASK>;
-  set_smem_limit(reinterpret_cast<const void*>(kernel), Tiles<D>::kSmem);
-  kernel<<<grid, kThreads, Tiles<D>::kSmem, stream>>>(q, k, v, pm, p, a, tiles);
-  check_launch("sm90 forward");
+// STATS: column sums from the slots' partial rows, added in slot order (deterministic); slots
+// that do not cover key j (causal CTAs stop at their diagonal tile) add only their NaN flag.
+__global__ void stats_columns(const float* __restrict__ part, const float* __restrict__ nan_flags, const DevProblem p,
+                              const DevOperand cs, int64_t lead0, int64_t leads, int64_t tiles) {
+  const int64_t slots = 2 * tiles;
+  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < leads * p.S;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t ll = idx / p.S, j = idx % p.S;
+    const int64_t first = p.causal ? 2 * (j / kBN) : 0;
+    float sum = 0.0f;
+    for (int64_t s = 0; s < slots; ++s)
+      sum += s >= first ? part[(ll * slots + s) * p.S + j] : nan_flags[ll * slots + s];
+    reinterpret_cast<float*>(cs.data)[lead_off(p, cs, lead0 + ll) + j * cs.row] = sum;
+  }
 }
 
-template <typename T, int D>
+template <typename T, int D, MaskKind MASK, bool STATS>
+void launch(const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& v, const CUtensorMap& pm,
+            const DevProblem& p, const Args& a, const StatsArgs& st, cudaStream_t stream) {
+  const int64_t tiles = (p.L + kBM - 1) / kBM;
+  const int64_t blocks = tiles * a.leads;
+  const char* what = STATS ? "sm90 statistics" : "sm90 forward";
+  const unsigned grid = grid_x(blocks, what);
+  const auto kernel = &forward_sm90<T, D, MASK, STATS>;
+  set_smem_limit(reinterpret_cast<const void*>(kernel), Tiles<D>::kSmem);
+  kernel<<<grid, kThreads, Tiles<D>::kSmem, stream>>>(q, k, v, pm, p, a, st, tiles);
+  check_launch(what);
+}
+
+template <typename T, int D, bool STATS>
 void launch_for_mask(const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& v, const CUtensorMap& pm,
-                     const DevProblem& p, const Args& a, MaskKind mask, cudaStream_t stream) {
+                     const DevProblem& p, const Args& a, const StatsArgs& st, MaskKind mask, cudaStream_t stream) {
   switch (mask) {
-    case MaskKind::None: return launch<T, D, MaskKind::None>(q, k, v, pm, p, a, stream);
-    case MaskKind::Bool: return launch<T, D, MaskKind::Bool>(q, k, v, pm, p, a, stream);
-    case MaskKind::Same: return launch<T, D, MaskKind::Same>(q, k, v, pm, p, a, stream);
-    case MaskKind::Float32: return launch<T, D, MaskKind::Float32>(q, k, v, pm, p, a, stream);
+    case MaskKind::None: return launch<T, D, MaskKind::None, STATS>(q, k, v, pm, p, a, st, stream);
+    case MaskKind::Bool: return launch<T, D, MaskKind::Bool, STATS>(q, k, v, pm, p, a, st, stream);
+    case MaskKind::Same: return launch<T, D, MaskKind::Same, STATS>(q, k, v, pm, p, a, st, stream);
+    case MaskKind::Float32: return launch<T, D, MaskKind::Float32, STATS>(q, k, v, pm, p, a, st, stream);
   }
+}
+
+template <bool STATS, typename T>
+void launch_for_head(const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& v, const CUtensorMap& pm,
+                     const DevProblem& p, const Args& a, const StatsArgs& st, MaskKind mask, cudaStream_t stream) {
+  if (padded_head(p.E) == 64) launch_for_mask<T, 64, STATS>(q, k, v, pm, p, a, st, mask, stream);
+  else launch_for_mask<T, 128, STATS>(q, k, v, pm, p, a, st, mask, stream);
 }
 
 // The mask's kind, or false when this kernel does not read it (another float dtype).
@@ -476,47 +614,127 @@ bool mask_kind(const DevProblem& p, MaskKind& kind) {
   return true;
 }
 
+// The maps of Q, K, V and the arguments both kernels share; false when TMA cannot address them.
+bool common_args(const DevProblem& p, CUtensorMap& q, CUtensorMap& k, CUtensorMap& v, Args& a, MaskKind& mask) {
+  if (!mask_kind(p, mask) || !make_map(&q, p, p.q, p.L, p.E, kBM, a.q) || !make_map(&k, p, p.k, p.S, p.E, kBN, a.k) ||
+      !make_map(&v, p, p.v, p.S, p.Ev, kBN, a.v))
+    return false;
+  a.fold = p.scale > 0.0;
+  a.scale = static_cast<float>(p.scale);
+  a.scale_log2 = static_cast<float>(p.scale * 1.4426950408889634);
+  a.lead0 = 0;
+  a.leads = p.num_lead;
+  return true;
+}
+
 template <typename T>
 bool forward_for(const DevProblem& p, cudaStream_t stream) {
   CUtensorMap q, k, v, pm;
   Args a;
   MaskKind mask;
-  if (!mask_kind(p, mask) || !make_map(&q, p, p.q, p.L, p.E, kBM, a.q) || !make_map(&k, p, p.k, p.S, p.E, kBN, a.k) ||
-      !make_map(&v, p, p.v, p.S, p.Ev, kBN, a.v))
-    return false;
+  if (!common_args(p, q, k, v, a, mask)) return false;
   a.p_vec8 = rows_vectorizable(p.probs, p.lead_ndim, p.S, 2, 8);
-  a.fold = p.scale > 0.0;
-  a.scale = static_cast<float>(p.scale);
-  a.scale_log2 = static_cast<float>(p.scale * 1.4426950408889634);
   a.p_tma = make_map(&pm, p, p.probs, p.L, p.S, 64, a.p);
-  if (padded_head(p.E) == 64) launch_for_mask<T, 64>(q, k, v, pm, p, a, mask, stream);
-  else launch_for_mask<T, 128>(q, k, v, pm, p, a, mask, stream);
+  launch_for_head<false, T>(q, k, v, pm, p, a, StatsArgs{}, mask, stream);
   return true;
 }
 
-}  // namespace
+// Lead indices per statistics launch: the column sums' partial rows (and flags) of one launch
+// take at most kStatsWorkspaceFloats.
+constexpr int64_t kStatsWorkspaceFloats = int64_t(16) << 20;  // 64 MiB
+int64_t stats_leads_per_launch(const DevProblem& p) {
+  const int64_t per_lead = 2 * ((p.L + kBM - 1) / kBM) * (p.S + 1);
+  return std::max<int64_t>(1, std::min<int64_t>(p.num_lead, kStatsWorkspaceFloats / std::max<int64_t>(per_lead, 1)));
+}
 
-bool forward_applies(const DevProblem& p) {
+template <typename T>
+bool stats_for(const DevProblem& p, const StatsTargets& t, float* workspace, cudaStream_t stream) {
+  CUtensorMap q, k, v, unused;
+  Args a;
+  MaskKind mask;
+  if (!common_args(p, q, k, v, a, mask)) return false;
+  a.p_tma = false;
+  a.p_vec8 = false;
+  std::memset(&unused, 0, sizeof(unused));
+  StatsArgs st;
+  st.ent = t.entropy;
+  st.win = t.rows;
+  st.win_first = t.rows_first;
+  st.win_step = t.rows_step;
+  st.win_count = t.rows.data != nullptr ? t.rows_count : 0;
+  const bool cols = t.col_sum.data != nullptr;
+  const int64_t tiles = (p.L + kBM - 1) / kBM, per_launch = cols ? stats_leads_per_launch(p) : p.num_lead;
+  for (int64_t lead0 = 0; lead0 < p.num_lead; lead0 += per_launch) {
+    a.lead0 = lead0;
+    a.leads = std::min(per_launch, p.num_lead - lead0);
+    if (cols) {
+      st.col_part = workspace;
+      st.col_nan = workspace + a.leads * 2 * tiles * p.S;
+      check_cuda(cudaMemsetAsync(st.col_nan, 0, sizeof(float) * a.leads * 2 * tiles, stream), "clearing the NaN flags");
+    }
+    launch_for_head<true, T>(q, k, v, unused, p, a, st, mask, stream);
+    if (cols) {
+      const int64_t blocks = std::min<int64_t>((a.leads * p.S + 255) / 256, 65535);
+      stats_columns<<<grid_x(blocks, "sm90 column sums"), 256, 0, stream>>>(st.col_part, st.col_nan, p, t.col_sum, lead0,
+                                                                             a.leads, tiles);
+      check_launch("sm90 column sums");
+    }
+  }
+  return true;
+}
+
+// What both kernels need of the inputs and of O and lse.
+bool inputs_apply(const DevProblem& p) {
   if (p.q.dtype != DType::Float16 && p.q.dtype != DType::BFloat16) return false;
   if (p.dropout != Dropout::None) return false;
   if (p.E <= 0 || p.Ev <= 0 || p.E > 128 || p.Ev > 128 || padded_head(p.E) != padded_head(p.Ev)) return false;
   if (p.E % 8 != 0 || p.Ev % 8 != 0) return false;
-  // Outputs as the binding allocates them: P and O in the inputs' dtype with rows that take
-  // 4-byte pair stores, lse in fp32.
-  if (p.probs.dtype != p.q.dtype || p.out.dtype != p.q.dtype || p.lse.dtype != DType::Float32) return false;
+  // O in the inputs' dtype with rows that take 4-byte pair stores, lse in fp32 (as the binding
+  // allocates them).
+  if (p.out.dtype != p.q.dtype || p.lse.dtype != DType::Float32) return false;
+  if (!rows_vectorizable(p.out, p.lead_ndim, p.Ev, 2, 2)) return false;
   // A mask is read a pair of keys at a time.
   if (p.mask.data != nullptr) {
     const int bytes = p.mask_is_bool ? 1 : p.mask.dtype == DType::Float32 ? 4 : 2;
     if (!rows_vectorizable(p.mask, p.lead_ndim, p.S, bytes, 2)) return false;
   }
-  if (!rows_vectorizable(p.probs, p.lead_ndim, p.S, 2, 2) || !rows_vectorizable(p.out, p.lead_ndim, p.Ev, 2, 2))
-    return false;
   return p.L > 0 && p.L <= 2147483647LL && p.S <= 2147483647LL && device_supported();
+}
+
+}  // namespace
+
+bool forward_applies(const DevProblem& p) {
+  // P in the inputs' dtype, pair stores.
+  return inputs_apply(p) && p.probs.dtype == p.q.dtype && rows_vectorizable(p.probs, p.lead_ndim, p.S, 2, 2);
 }
 
 bool forward(const DevProblem& p, cudaStream_t stream) {
   if (p.q.dtype == DType::Float16) return forward_for<__half>(p, stream);
   return forward_for<__nv_bfloat16>(p, stream);
+}
+
+bool stats_applies(const DevProblem& p, const StatsTargets& t) {
+  if (!inputs_apply(p)) return false;
+  CUtensorMap q, k, v;  // TMA can address the inputs
+  Args a;
+  MaskKind mask;
+  if (!common_args(p, q, k, v, a, mask)) return false;
+  // fp32 statistics; the window's rows as P's (inputs' dtype, pair stores).
+  if (t.col_sum.data != nullptr && t.col_sum.dtype != DType::Float32) return false;
+  if (t.entropy.data != nullptr && t.entropy.dtype != DType::Float32) return false;
+  if (t.rows.data != nullptr && (t.rows.dtype != p.q.dtype || !rows_vectorizable(t.rows, p.lead_ndim, p.S, 2, 2)))
+    return false;
+  return true;
+}
+
+int64_t stats_workspace_floats(const DevProblem& p, const StatsTargets& t) {
+  if (t.col_sum.data == nullptr) return 0;
+  return stats_leads_per_launch(p) * 2 * ((p.L + kBM - 1) / kBM) * (p.S + 1);
+}
+
+bool forward_stats(const DevProblem& p, const StatsTargets& t, float* workspace, cudaStream_t stream) {
+  if (p.q.dtype == DType::Float16) return stats_for<__half>(p, t, workspace, stream);
+  return stats_for<__nv_bfloat16>(p, t, workspace, stream);
 }
 
 }  // namespace sdpa_math::cuda::sm90

@@ -21,6 +21,21 @@ bool forward_applies(const DevProblem& p);
 // Runs it; false when the layout cannot be described to the TMA unit (nothing was launched).
 bool forward(const DevProblem& p, cudaStream_t stream);
 
+// Statistics of P without writing it (the forward kernel's STATS form): O and lse as the
+// forward, and any of these (data nullptr: not wanted), all with the output operands' strides:
+// column sums and row entropy in fp32; P's rows rows_first + k * rows_step, k < rows_count, in
+// the inputs' dtype with pair-aligned rows.
+struct StatsTargets {
+  DevOperand col_sum, entropy, rows;
+  int64_t rows_first = 0, rows_step = 1, rows_count = 0;
+};
+// The inputs as forward_applies asks, and the targets as above.
+bool stats_applies(const DevProblem& p, const StatsTargets& t);
+// fp32 workspace the column sums need (their partial rows, a bounded number of heads at a time).
+int64_t stats_workspace_floats(const DevProblem& p, const StatsTargets& t);
+// Runs it; false when the layout cannot be described to the TMA unit (nothing was launched).
+bool forward_stats(const DevProblem& p, const StatsTargets& t, float* workspace, cudaStream_t stream);
+
 // Where the backward writes: contiguous gradients of q, k, v in the inputs' dtype (their own
 // shapes), nullptr for one not wanted.
 struct BackwardTargets {

@@ -37,7 +37,10 @@ bool make_map(CUtensorMap* map, const DevProblem& p, const DevOperand& op, int64
   EncodeTiled encode = encoder();
   if (encode == nullptr || op.col != 1 || reinterpret_cast<uintptr_t>(op.data) % 16 != 0) return false;
   cuuint64_t dims[5] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows), 1, 1, 1};
-  cuuint64_t strides[4] = {static_cast<cuuint64_t>(op.row) * 2, 0, 0, 0};
+  // One row (a decode query): its row stride is 0 (size-1 dims broadcast) and never stepped
+  // over; the map still needs a valid one.
+  const int64_t row_bytes = op.row == 0 && rows == 1 ? (cols * 2 + 15) / 16 * 16 : op.row * 2;
+  cuuint64_t strides[4] = {static_cast<cuuint64_t>(row_bytes), 0, 0, 0};
   mc = MapCoords{};
   int64_t inner = 1;  // product of the lead dims inside d
   for (int d = p.lead_ndim - 1; d >= 0; inner *= p.lead_shape[d--]) {

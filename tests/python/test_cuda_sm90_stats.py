@@ -1,0 +1,183 @@
+"""The Hopper statistics kernel (forward_sm90.cu with STATS; issue 16) on an sm_90 GPU: that
+attention_stats takes it where it should, that column sums and row entropy are within 1e-5
+(relative) of float64 on the same rounded inputs, that O, lse and the rows window are the
+forward's own, bit for bit, and what happens around it: NaN rows, fully masked rows, many heads
+(several launches), repeated calls (no atomics: the same bits), and the inputs it declines.
+
+Every output starts as NaN (SDPA_MATH_POISON_OUTPUTS=1): an element the kernel does not write
+fails the comparison. Skipped without an sm_90 device.
+"""
+import math
+
+import pytest
+import torch
+
+import sdpa_math
+from cuda_helpers import HALF_DTYPES, cuda_kernels, dtype_id, make, make_mask, reference, sm90_only
+from sdpa_math.stats import attention_stats
+
+pytestmark = sm90_only
+ops = torch.ops.sdpa_math
+
+
+@pytest.fixture(autouse=True)
+def _poison_outputs(monkeypatch):
+    monkeypatch.setenv("SDPA_MATH_POISON_OUTPUTS", "1")
+
+
+CASES = {  # B, Hq, Hkv, L, S, E, Ev, mask kind, causal, layout
+    "d64": (2, 3, 3, 130, 200, 64, 64, "none", False, "contig"),
+    "d128_causal_L_lt_S_blhe": (1, 2, 2, 257, 1100, 128, 128, "none", True, "blhe"),
+    "causal_L_gt_S": (1, 2, 2, 300, 140, 64, 64, "none", True, "contig"),
+    "d80_keypad": (2, 2, 2, 100, 300, 80, 80, "bool_keypad", False, "contig"),
+    "gqa_bool_full_Ev96_blhe": (1, 4, 2, 190, 250, 128, 96, "bool_full", False, "blhe"),
+    "float_full": (2, 2, 2, 150, 334, 128, 128, "float_full", False, "contig"),
+    "float32_mask": (2, 2, 2, 150, 334, 64, 64, "float32_b1ls", False, "blhe"),
+    "float_ls_d96": (1, 2, 2, 70, 130, 96, 128, "float_ls", False, "contig"),
+    "odd_S_3_rows": (3, 2, 2, 3, 77, 64, 64, "none", False, "contig"),
+    "decode_1_row": (4, 8, 8, 1, 600, 128, 128, "none", False, "contig"),
+}
+
+
+def inputs(name, dtype, seed=0):
+    B, Hq, Hkv, L, S, E, Ev, mask_kind, causal, layout = CASES[name]
+    gen = torch.Generator(device="cuda").manual_seed(seed + L + S)
+    q, k, v = make((B, Hq, L, E), dtype, layout, gen), make((B, Hkv, S, E), dtype, layout, gen), \
+        make((B, Hkv, S, Ev), dtype, layout, gen)
+    mask = make_mask(mask_kind, B, Hq, L, S, dtype, gen)
+    return q, k, v, mask, dict(is_causal=causal, enable_gqa=Hq != Hkv)
+
+
+def ref_stats(q, k, v, mask, kw):
+    """Column sums and row entropy from the float64 map (rows with no visible key: P = 0)."""
+    _, p, _ = reference(q, k, v, mask, kw["is_causal"], q.shape[-1] ** -0.5, kw["enable_gqa"])
+    ent = -torch.where(p > 0, p * torch.log(torch.where(p > 0, p, 1.0)), 0.0).sum(-1)
+    return p.sum(-2), ent
+
+
+def rel_err(got, want):
+    return ((got.double() - want).norm() / want.norm().clamp(min=1e-30)).item()
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("name", list(CASES))
+def test_statistics_kernel_runs_and_is_within_1e_5_of_float64(name, dtype):
+    q, k, v, mask, kw = inputs(name, dtype)
+    S = k.shape[-2]
+    win = slice(-3, None) if S % 2 == 0 else None  # P's rows take pair stores: an even S
+    assert ops.forward_stats_has_kernel(q, k, v, mask, kw["is_causal"], None, kw["enable_gqa"], True, True,
+                                        3 if win else 0)
+    (out, st), names = cuda_kernels(lambda: attention_stats(q, k, v, mask, col_sum="per_head", row_entropy=True,
+                                                            rows=win, method="fused", **kw))
+    assert any("forward_sm90" in n for n in names) and any("stats_columns" in n for n in names), names
+    assert st["col_sum"].dtype == st["row_entropy"].dtype == torch.float32
+    want_cols, want_ent = ref_stats(q, k, v, mask, kw)
+    for key, want in (("col_sum", want_cols), ("row_entropy", want_ent)):
+        assert rel_err(st[key], want) <= 1e-5, (key, rel_err(st[key], want))
+        torch.testing.assert_close(st[key].double(), want, rtol=1e-5, atol=1e-5, msg=key)
+    O, P, lse = sdpa_math.attention_with_lse(q, k, v, mask, **kw)
+    _, lse_stats, *_ = ops.forward_stats(q, k, v, mask, kw["is_causal"], None, kw["enable_gqa"], False, False, 0, 0, 1)
+    if q.shape[-2] > 4:  # the forward's own kernel: its O, lse and P, bit for bit
+        assert torch.equal(out, O) and torch.equal(lse_stats, lse)
+        if win is not None:
+            assert torch.equal(st["rows"], P[..., win, :])
+    else:  # the forward runs up to 4 query rows on its decode kernel (split over keys)
+        torch.testing.assert_close(out, O, rtol=2e-2, atol=2e-3)
+        torch.testing.assert_close(lse_stats, lse, rtol=1e-5, atol=1e-5)
+        if win is not None:
+            torch.testing.assert_close(st["rows"], P[..., win, :], rtol=1e-2, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
+def test_rows_window_of_a_causal_problem_is_P_there_hidden_keys_included(dtype):
+    """Rows every 37th from 5 on a causal L < S problem: the keys right of a CTA's last tile are
+    written as zeros by the kernel's tail, as the forward's P has them."""
+    q, k, v, mask, kw = inputs("d128_causal_L_lt_S_blhe", dtype)
+    _, P = sdpa_math.attention(q, k, v, mask, **kw)
+    _, st = attention_stats(q, k, v, mask, rows=slice(5, None, 37), method="fused", **kw)
+    assert torch.equal(st["rows"], P[..., 5::37, :])
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
+def test_nan_row_gives_nan_statistics(dtype):
+    """A NaN score: the row's entropy is NaN, and its head's column sums are NaN at every key —
+    those right of the row's causal tile too (a NaN row of P is NaN throughout)."""
+    q, k, v, _, kw = inputs("d128_causal_L_lt_S_blhe", dtype)
+    q = q.clone()
+    q[0, 1, 20, 3] = float("nan")
+    _, st = attention_stats(q, k, v, col_sum="per_head", row_entropy=True, method="fused", **kw)
+    assert st["col_sum"][0, 1].isnan().all() and not st["col_sum"][0, 0].isnan().any()
+    ent = st["row_entropy"]
+    assert ent[0, 1, 20].isnan() and ent.isnan().sum() == 1
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
+def test_fully_masked_rows_have_entropy_0_and_add_nothing(dtype):
+    q, k, v, mask, kw = inputs("gqa_bool_full_Ev96_blhe", dtype)  # row 5 of every head sees no key
+    _, st = attention_stats(q, k, v, mask, col_sum="per_head", row_entropy=True, method="fused", **kw)
+    assert (st["row_entropy"][..., 5] == 0).all()
+    keep = torch.ones(q.shape[-2], dtype=torch.bool, device="cuda")
+    keep[5] = False
+    _, st2 = attention_stats(q[..., keep, :], k, v, mask[..., keep, :], col_sum="per_head", method="fused", **kw)
+    torch.testing.assert_close(st["col_sum"], st2["col_sum"], rtol=1e-6, atol=1e-6)
+
+
+def test_many_heads_take_several_launches_with_the_same_sums():
+    """64 heads of 4096 x 4096: the column sums' partial rows would take more than 64 MiB, so the
+    heads go in two launches. Against the fp32 chunks on the same rounded inputs, and the same bits
+    on a second call."""
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    q, k, v = (torch.randn(1, 64, 4096, 64, generator=gen, device="cuda").half() for _ in range(3))
+    a = attention_stats(q, k, v, col_sum="per_head", row_entropy=True, is_causal=True, method="fused")[1]
+    b = attention_stats(q, k, v, col_sum="per_head", row_entropy=True, is_causal=True, method="fused")[1]
+    want = attention_stats(q.float(), k.float(), v.float(), col_sum="per_head", row_entropy=True, is_causal=True,
+                           method="chunks")[1]
+    for key in ("col_sum", "row_entropy"):
+        assert torch.equal(a[key], b[key]), key
+        assert rel_err(a[key], want[key].double()) <= 2e-5, key
+
+
+def test_finfo_min_rows_of_a_bf16_mask_are_uniform():
+    """Hugging Face's padding mask at bfloat16's min: a row held there entirely is uniform (entropy
+    log S) and the statistics stay within 1e-5 of float64. (fp16's min, -65504, is not held to it:
+    fp32 logits s - 65504 keep s to 2^-8, as in the forward's own P; docs/statistics.md.)"""
+    q, k, v, _, kw = inputs("float_full", torch.bfloat16)
+    B, H, L, S = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    mask = make_mask("float_b1ls", B, H, L, S, torch.bfloat16, torch.Generator(device="cuda").manual_seed(2))
+    _, st = attention_stats(q, k, v, mask, col_sum="per_head", row_entropy=True, method="fused", **kw)
+    want_cols, want_ent = ref_stats(q, k, v, mask, kw)
+    torch.testing.assert_close(st["row_entropy"][..., 3].double(), torch.full((B, H), math.log(S), device="cuda",
+                                                                               dtype=torch.float64))
+    for key, want in (("col_sum", want_cols), ("row_entropy", want_ent)):
+        assert rel_err(st[key], want) <= 1e-5, key
+
+
+def test_group_and_visible_options_agree_with_the_chunks():
+    q, k, v, mask, kw = inputs("gqa_bool_full_Ev96_blhe", torch.float16)
+    for mode in ("per_head", "group_sum", "group_mean"):
+        for vn in (False, True):
+            a = attention_stats(q, k, v, mask, col_sum=mode, visible_normalized=vn, method="fused", **kw)[1]
+            b = attention_stats(q.float(), k.float(), v.float(), mask, col_sum=mode, visible_normalized=vn,
+                                method="chunks", **kw)[1]
+            torch.testing.assert_close(a["col_sum"], b["col_sum"], rtol=2e-5, atol=1e-5)
+
+
+def test_what_the_kernel_declines_goes_to_the_chunks_or_is_refused_by_name():
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    q, k, v = (torch.randn(1, 2, 64, 64, generator=gen, device="cuda") for _ in range(3))  # fp32
+    assert not ops.forward_stats_has_kernel(q, k, v, None, False, None, False, True, True, 0)
+    _, st = attention_stats(q, k, v, col_sum="per_head", row_entropy=True)  # auto: the chunks
+    want_cols, want_ent = ref_stats(q, k, v, None, dict(is_causal=False, enable_gqa=False))
+    torch.testing.assert_close(st["col_sum"].double(), want_cols, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="forward_stats_has_kernel"):
+        attention_stats(q, k, v, row_entropy=True, method="fused")
+    with pytest.raises(RuntimeError, match="no CUDA kernel takes this problem"):
+        ops.forward_stats(q, k, v, None, False, None, False, True, True, 0, 0, 1)
+    qh, kh, vh = q.half(), k.half(), v.half()
+    assert ops.forward_stats_has_kernel(qh, kh[:, :, :63], vh[:, :, :63], None, False, None, False, True, True, 0)
+    assert not ops.forward_stats_has_kernel(qh, kh[:, :, :63], vh[:, :, :63], None, False, None, False, True, True, 2)
+    assert not ops.forward_stats_has_kernel(qh[..., :60], kh[..., :60], vh, None, False, None, False, True, True, 0)
+    # ... and an odd key count with a window goes to the chunks under auto, with the right rows
+    _, P = sdpa_math.attention(qh, kh[:, :, :63], vh[:, :, :63])
+    _, st = attention_stats(qh, kh[:, :, :63], vh[:, :, :63], rows=slice(-2, None))
+    assert torch.equal(st["rows"], P[..., -2:, :])
