@@ -232,14 +232,19 @@ def _fused_sdpa(q, k, v, causal, scale, gqa, mask):
                                               enable_gqa=gqa)
 
 
+def compile_per_shape(fn):
+    """torch.compile(fn) specialised to each shape and dtype. One graph per shape, dtype and grad
+    mode: the recompile limit is raised so that no row silently falls back to eager (the default
+    of 8 did that to the statistics rows after eight shapes)."""
+    torch._dynamo.config.cache_size_limit = 256
+    torch._dynamo.config.recompile_limit = 256
+    return torch.compile(fn, dynamic=False)
+
+
 class Impls:
     def __init__(self, device):
         self.device = device
-        # One compiled graph per shape, dtype and grad mode: allow enough of them that no row
-        # silently falls back to eager.
-        torch._dynamo.config.cache_size_limit = 256
-        torch._dynamo.config.recompile_limit = 256
-        self._compiled = torch.compile(eager_attention, dynamic=False)
+        self._compiled = compile_per_shape(eager_attention)
 
     def names(self, dtype):
         names = ["ours", "override", "native"]
@@ -844,7 +849,7 @@ def stats_impls(device):
              "flash": lambda q, k, v, s, scale: F.scaled_dot_product_attention(
                  q, k, v, is_causal=s.causal, scale=scale, enable_gqa=s.Hq != s.Hkv)}
     if device == "cuda":
-        compiled = torch.compile(eager_stats, dynamic=False)
+        compiled = compile_per_shape(eager_stats)
         impls["compiled"] = lambda q, k, v, s, scale: compiled(q, k, v, s.causal, scale, s.Hq // s.Hkv)
     return impls
 
