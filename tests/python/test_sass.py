@@ -55,18 +55,31 @@ def sm90_backward(sm90_functions):
     return {n: b for n, b in sm90_functions.items() if re.search(r"\d+backward_sm90I", n)}
 
 
-def test_every_sm90_forward_kernel_uses_hgmma_and_tma(sm90_functions):
-    forward = {n: b for n, b in sm90_functions.items() if "forward_sm90" in n}
-    assert len(forward) == 16  # fp16/bf16 x head 64/128 x no mask, bool, same dtype, fp32
-    for name, body in forward.items():
+@pytest.fixture(scope="module")
+def sm90_forward(sm90_functions):
+    """(forward kernels, statistics kernels): forward_sm90<T, D, MASK, STATS> by its last template
+    argument (the mangled name's Lb0 / Lb1), not its helpers (stats_columns)."""
+    kernels = {n: b for n, b in sm90_functions.items() if re.search(r"\d+forward_sm90I", n)}
+    return ({n: b for n, b in kernels.items() if "ELb0E" in n}, {n: b for n, b in kernels.items() if "ELb1E" in n})
+
+
+def test_every_sm90_forward_kernel_uses_hgmma_and_tma(sm90_forward):
+    forward, stats = sm90_forward
+    # fp16/bf16 x head 64/128 x no mask, bool, same dtype, fp32; the same for the statistics form
+    assert len(forward) == 16 and len(stats) == 16
+    for name, body in {**forward, **stats}.items():
         assert re.search(r"\bHGMMA\.64x128x16\.F32", body), name
-        assert "UTMALDG" in body and "UTMASTG" in body, name
+        assert "UTMALDG" in body, name
         assert not re.search(r"\bHMMA\b", body), name
+    for name, body in forward.items():  # P leaves by TMA stores (the statistics kernels keep it)
+        assert "UTMASTG" in body, name
 
 
-def test_unmasked_sm90_forward_keeps_registers_out_of_local_memory(sm90_functions):
-    # MaskKind 0 (no mask) is the anchors' kernel: a spill there costs every unmasked call.
-    unmasked = {n: b for n, b in sm90_functions.items() if "MaskKindE0E" in n}
+def test_unmasked_sm90_forward_keeps_registers_out_of_local_memory(sm90_forward):
+    # MaskKind 0 (no mask) is the anchors' kernel: a spill there costs every unmasked call. (The
+    # statistics kernels are not held to it: their column sums' registers push the head-128 one
+    # past its 232; bench/NOTES.md, session 17.)
+    unmasked = {n: b for n, b in sm90_forward[0].items() if "MaskKindE0E" in n}
     assert len(unmasked) == 4
     for name, body in unmasked.items():
         assert not re.search(r"\b(LDL|STL)\b", body), name
@@ -78,7 +91,7 @@ def test_no_sm90_kernel_has_its_warpgroup_products_serialised(sm90_functions):
     # product before the next (a WARPGROUP.DEPBAR after every HGMMA) and the kernel runs at a
     # fraction of its speed, with correct results. Unserialised, a wait ends a whole group of them.
     kernels = {n: b for n, b in sm90_functions.items() if re.search(r"\d+(forward|backward)_sm90I", n)}
-    assert len(kernels) == 24
+    assert len(kernels) == 40  # 16 forward, 16 statistics, 8 backward
     for name, body in kernels.items():
         products = len(re.findall(r"\bHGMMA\.", body))
         waits = len(re.findall(r"\bWARPGROUP\.DEPBAR\b", body))
