@@ -414,6 +414,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   if constexpr (STATS) {
     if (st.col_part != nullptr) col_out = st.col_part + ((lead - a.lead0) * 2 * tiles + 2 * row_tile + cw) * p.S;
   }
+  // stmatrix row addresses (P through shared memory): lane L gives row L % 8 of matrix L / 8,
+  // which is 8-key group nb = L / 16 of rows 8 ((L / 8) % 2) + 0..7 of the warp's 16; for the
+  // stmatrix of groups 2 k + (0, 1) (k < 4 within each 64-key block) its 16-byte chunk is
+  // (2 k + nb) ^ (row % 8) of the 128-byte swizzle, and row % 8 = L % 8.
+  uint32_t p_addr[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int rr = warp * 16 + (lane & 7) + 8 * ((lane >> 3) & 1), n = 2 * k + (lane >> 4);
+    p_addr[k] = smem_u32(p_tile + rr * 64 + (n ^ (lane & 7)) * 8);
+  }
   float o[D / 2];
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
@@ -434,36 +444,51 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     uint32_t u_frag[kBN / 16][4];
     float col[STATS ? kBN / 4 : 1];  // this thread's two rows of P summed: keys 8n + 2t (+1) at 2n (+1)
+    if (!STATS && a.p_tma) {
+      // P into the warpgroup's swizzled tile, 16 rows x 16 keys (four 8 x 8 matrices) a stmatrix
+      // at the addresses p_addr precomputed: no address arithmetic or branch per pair.
 #pragma unroll
-    for (int n = 0; n < kBN / 8; ++n)
+      for (int n2 = 0; n2 < kBN / 16; ++n2) {
+        uint32_t pr[4];
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float u0 = exp_from<kMasked>(s[4 * n + 2 * r], mul, m[r]);
-        const float u1 = exp_from<kMasked>(s[4 * n + 2 * r + 1], mul, m[r]);
-        // A fragment of k-step n/2: {row g, keys 2t..} {row g+8, 2t..} {g, 2t+8..} {g+8, 2t+8..}.
-        u_frag[n / 2][(n & 1) * 2 + r] = pack2<T>(u0, u1);
-        const uint32_t pr = pack2<T>(u0 * inv_l[r], u1 * inv_l[r]);
-        const int jj = n * 8 + 2 * t;  // S is even (forward_applies): pairs never straddle the end
-        if (!STATS && a.p_tma) {
-          const int rr = warp * 16 + g + 8 * r;
-          *reinterpret_cast<uint32_t*>(p_tile + (n / 8) * 64 * 64 + swizzled_pair(rr, n % 8, t)) = pr;
-        } else if ((STATS ? p_row[r] != nullptr : row_ok[r]) && (clean || jj < keys)) {
-          *reinterpret_cast<uint32_t*>(p_row[r] + j0 + jj) = pr;
-        }
-        if constexpr (STATS) {
-          // P for the column sums (rows past L count 0: clean tiles do not mask them, and their
-          // zero-filled queries give a uniform row; inv_l is 0 for a fully masked row), and
-          // u (m − x) for the entropy: 0 where u = 0 (hidden keys: x = -inf).
-          const float p0 = u0 * col_w[r], p1 = u1 * col_w[r];
-          col[2 * n] = r ? col[2 * n] + p0 : p0;
-          col[2 * n + 1] = r ? col[2 * n + 1] + p1 : p1;
-          if (st.ent.data != nullptr) {
-            const float d0 = fminf(fmaf(-s[4 * n + 2 * r], mul, m[r]), 1e30f);
-            const float d1 = fminf(fmaf(-s[4 * n + 2 * r + 1], mul, m[r]), 1e30f);
-            h[r] = fmaf(u1, d1, fmaf(u0, d0, h[r]));
+        for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int n = 2 * n2 + nb;
+            const float u0 = exp_from<kMasked>(s[4 * n + 2 * r], mul, m[r]);
+            const float u1 = exp_from<kMasked>(s[4 * n + 2 * r + 1], mul, m[r]);
+            // A fragment of k-step n2: {row g, keys 2t..} {row g+8, 2t..} {g, 2t+8..} {g+8, 2t+8..}.
+            u_frag[n2][nb * 2 + r] = pack2<T>(u0, u1);
+            pr[nb * 2 + r] = pack2<T>(u0 * inv_l[r], u1 * inv_l[r]);
+          }
+        stmatrix_x4(p_addr[n2 % 4] + (n2 / 4) * 64 * 64 * 2, pr[0], pr[1], pr[2], pr[3]);
+      }
+    } else {
+#pragma unroll
+      for (int n = 0; n < kBN / 8; ++n)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const float u0 = exp_from<kMasked>(s[4 * n + 2 * r], mul, m[r]);
+          const float u1 = exp_from<kMasked>(s[4 * n + 2 * r + 1], mul, m[r]);
+          u_frag[n / 2][(n & 1) * 2 + r] = pack2<T>(u0, u1);
+          const int jj = n * 8 + 2 * t;  // S is even (forward_applies): pairs never straddle the end
+          if ((STATS ? p_row[r] != nullptr : row_ok[r]) && (clean || jj < keys))
+            *reinterpret_cast<uint32_t*>(p_row[r] + j0 + jj) = pack2<T>(u0 * inv_l[r], u1 * inv_l[r]);
+          if constexpr (STATS) {
+            // P for the column sums (rows past L count 0: clean tiles do not mask them, and their
+            // zero-filled queries give a uniform row; inv_l is 0 for a fully masked row), and
+            // u (m − x) for the entropy: 0 where u = 0 (hidden keys: x = -inf).
+            const float p0 = u0 * col_w[r], p1 = u1 * col_w[r];
+            col[2 * n] = r ? col[2 * n] + p0 : p0;
+            col[2 * n + 1] = r ? col[2 * n + 1] + p1 : p1;
+            if (st.ent.data != nullptr) {
+              const float d0 = fminf(fmaf(-s[4 * n + 2 * r], mul, m[r]), 1e30f);
+              const float d1 = fminf(fmaf(-s[4 * n + 2 * r + 1], mul, m[r]), 1e30f);
+              h[r] = fmaf(u1, d1, fmaf(u0, d0, h[r]));
+            }
           }
         }
-      }
+    }
     if (!STATS && a.p_tma) {  // the tile to global memory (TMA clips it at L and S), while the products run
       fence_proxy_async();
       named_barrier(p_bar, 128);

@@ -28,6 +28,15 @@ SDPA_MATH_D uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cv
 // 16-byte chunk n ^ (r % 8) of row r.
 SDPA_MATH_D int swizzled_pair(int r, int n, int t) { return r * 64 + ((n ^ (r & 7)) * 8) + 2 * t; }
 
+// Four 8 x 8 matrices of 16-bit elements to shared memory from the mma fragment layout: register
+// i of a thread holds its pair of matrix i (row lane / 4, columns 2 (lane % 4) and + 1), and
+// lanes 8 i .. 8 i + 7 give the addresses of matrix i's rows 0..7 (16 bytes each).
+SDPA_MATH_D void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
+               : "memory");
+}
+
 // ---- mbarriers --------------------------------------------------------------------------------
 
 SDPA_MATH_D void mbar_init(uint64_t* bar, uint32_t count) {
