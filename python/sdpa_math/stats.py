@@ -150,10 +150,12 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
     outs, cols, ents, kls, heads, picked = [], [], [], [], [], []
     first, count, step = (win[0], len(range(*win)), win[2]) if win is not None else (0, 0, 1)
+    # The CPU operator takes every input; on CUDA, ask whether the Hopper kernel takes these.
     fused_applies = (not use_checkpoint and not head_mean and kl_to is None
                      and (col_sum is not None or row_entropy or win is not None) and method != "chunks"
-                     and ops.forward_stats_has_kernel(query, key, value, attn_mask, is_causal, scale, enable_gqa,
-                                                      col_sum is not None, row_entropy, count))
+                     and (query.device.type == "cpu"
+                          or ops.forward_stats_has_kernel(query, key, value, attn_mask, is_causal, scale, enable_gqa,
+                                                          col_sum is not None, row_entropy, count)))
     if method == "fused" and not fused_applies:
         raise ValueError("attention_stats: method='fused' takes col_sum, row_entropy and rows with no gradient wanted, "
                          "of CPU inputs or of CUDA inputs its Hopper kernel takes (torch.ops.sdpa_math."

@@ -16,9 +16,9 @@ bool stats_kernel_applies(const core::Problem& p, const StatsOutputs& out);
 // What the statistics kernel takes, for error messages.
 inline constexpr const char* stats_kernel_requirements =
     "(it needs a Hopper GPU (compute capability 9.0) and a build with its kernels; float16 or bfloat16 inputs "
-    "without dropout, head sizes up to 128 that are multiples of 8 and pad alike (q/k to 64 or 128 as v), "
-    "q, k and v with unit column stride and 16-byte aligned strides, a mask that is bool, float32 or the "
-    "inputs' dtype with even row strides, float32 statistics, rows in the inputs' dtype with an even key count)";
+    "without dropout; head sizes E and Ev that are multiples of 8, up to 128, both at most 64 or both above; "
+    "q, k and v with unit column stride and 16-byte aligned strides; a mask that is bool, float32 or the "
+    "inputs' dtype with even row strides; float32 statistics; rows in the inputs' dtype with an even key count)";
 
 // cuBLAS handles this process has created (gemm_path.cu's pool), for tests.
 int64_t cublas_handles_created();
