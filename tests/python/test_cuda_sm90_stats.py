@@ -65,8 +65,8 @@ def test_statistics_kernel_runs_and_is_within_1e_5_of_float64(name, dtype):
     q, k, v, mask, kw = inputs(name, dtype)
     S = k.shape[-2]
     win = slice(-3, None) if S % 2 == 0 else None  # P's rows take pair stores: an even S
-    assert ops.forward_stats_has_kernel(q, k, v, mask, kw["is_causal"], None, kw["enable_gqa"], True, True,
-                                        3 if win else 0)
+    n_win = len(range(*win.indices(q.shape[-2]))) if win else 0
+    assert ops.forward_stats_has_kernel(q, k, v, mask, kw["is_causal"], None, kw["enable_gqa"], True, True, n_win)
     (out, st), names = cuda_kernels(lambda: attention_stats(q, k, v, mask, col_sum="per_head", row_entropy=True,
                                                             rows=win, method="fused", **kw))
     assert any("forward_sm90" in n for n in names) and any("stats_columns" in n for n in names), names
@@ -128,7 +128,9 @@ def test_many_heads_take_several_launches_with_the_same_sums():
     on a second call."""
     gen = torch.Generator(device="cuda").manual_seed(12)
     q, k, v = (torch.randn(1, 64, 4096, 64, generator=gen, device="cuda").half() for _ in range(3))
-    a = attention_stats(q, k, v, col_sum="per_head", row_entropy=True, is_causal=True, method="fused")[1]
+    (_, a), names = cuda_kernels(lambda: attention_stats(q, k, v, col_sum="per_head", row_entropy=True, is_causal=True,
+                                                         method="fused"))
+    assert sum("stats_columns" in n for n in names) == 2, names  # 63 heads, then 1
     b = attention_stats(q, k, v, col_sum="per_head", row_entropy=True, is_causal=True, method="fused")[1]
     want = attention_stats(q.float(), k.float(), v.float(), col_sum="per_head", row_entropy=True, is_causal=True,
                            method="chunks")[1]
@@ -160,6 +162,16 @@ def test_group_and_visible_options_agree_with_the_chunks():
             b = attention_stats(q.float(), k.float(), v.float(), mask, col_sum=mode, visible_normalized=vn,
                                 method="chunks", **kw)[1]
             torch.testing.assert_close(a["col_sum"], b["col_sum"], rtol=2e-5, atol=1e-5)
+
+
+def test_a_head_whose_column_sums_need_more_than_64_MiB_goes_to_the_chunks():
+    """Launches split heads, not a head's rows: 32K x 32K keys would need 128 MiB of partial rows
+    for one head, so the kernel declines the column sums there (entropy and rows it still takes)."""
+    q, k, v = (torch.zeros(1, 1, 32768, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    assert not ops.forward_stats_has_kernel(q, k, v, None, True, None, False, True, True, 0)
+    assert ops.forward_stats_has_kernel(q, k, v, None, True, None, False, False, True, 64)
+    assert ops.forward_stats_has_kernel(q[..., :16384, :], k[..., :16384, :], v[..., :16384, :], None, True, None, False,
+                                        True, True, 0)
 
 
 def test_what_the_kernel_declines_goes_to_the_chunks_or_is_refused_by_name():

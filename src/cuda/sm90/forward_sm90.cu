@@ -408,7 +408,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // Pass 2: P once, O += u V.
   float h[2] = {0.0f, 0.0f};  // STATS: Σ u (m − x) over this thread's elements of each row
-  const float col_w[2] = {row_ok[0] ? inv_l[0] : 0.0f, row_ok[1] ? inv_l[1] : 0.0f};  // STATS: P = u · col_w
   float* col_buf = reinterpret_cast<float*>(p_tile);  // STATS: 2 x [4 warps][kBN] column sums
   float* col_out = nullptr;  // STATS: this warpgroup's partial row of column sums
   if constexpr (STATS) {
@@ -475,10 +474,11 @@ __global__ void __launch_bounds__(kThreads, 1)
           if ((STATS ? p_row[r] != nullptr : row_ok[r]) && (clean || jj < keys))
             *reinterpret_cast<uint32_t*>(p_row[r] + j0 + jj) = pack2<T>(u0 * inv_l[r], u1 * inv_l[r]);
           if constexpr (STATS) {
-            // P for the column sums (rows past L count 0: clean tiles do not mask them, and their
-            // zero-filled queries give a uniform row; inv_l is 0 for a fully masked row), and
-            // u (m − x) for the entropy: 0 where u = 0 (hidden keys: x = -inf).
-            const float p0 = u0 * col_w[r], p1 = u1 * col_w[r];
+            // P for the column sums: rows past L count 0 (clean tiles do not mask them; their
+            // zero-filled queries give a uniform row, or NaN next to an infinite key, so a select,
+            // not a product with 0); inv_l is 0 for a fully masked row. And u (m − x) for the
+            // entropy: 0 where u = 0 (hidden keys: x = -inf).
+            const float p0 = row_ok[r] ? u0 * inv_l[r] : 0.0f, p1 = row_ok[r] ? u1 * inv_l[r] : 0.0f;
             col[2 * n] = r ? col[2 * n] + p0 : p0;
             col[2 * n + 1] = r ? col[2 * n + 1] + p1 : p1;
             if (st.ent.data != nullptr) {
@@ -553,7 +553,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // Keys right of the CTA's last tile (causal): hidden from the row; NaN in a NaN row.
       if (p_row[r] != nullptr)
         for (int64_t c = z0 + t; c < p.S; c += 4) p_row[r][c] = from_float<T>(total != total ? total : 0.0f);
-      if (st.col_part != nullptr && __any_sync(0xffffffffu, total != total) && lane == 0)
+      if (st.col_part != nullptr && __any_sync(0xffffffffu, row_ok[r] && total != total) && lane == 0)
         st.col_nan[(lead - a.lead0) * 2 * tiles + 2 * row_tile + cw] = NAN;
     }
     return;
@@ -590,6 +590,7 @@ __global__ void stats_columns(const float* __restrict__ part, const float* __res
   for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < leads * p.S;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t ll = idx / p.S, j = idx % p.S;
+    static_assert(kBM == kBN && kBM == 2 * 64, "slot s = 2 x row tile + warpgroup covers key j iff its row tile >= j / kBN");
     const int64_t first = p.causal ? 2 * (j / kBN) : 0;
     float sum = 0.0f;
     for (int64_t s = 0; s < slots; ++s)
@@ -749,6 +750,9 @@ bool stats_applies(const DevProblem& p, const StatsTargets& t) {
   if (t.entropy.data != nullptr && t.entropy.dtype != DType::Float32) return false;
   if (t.rows.data != nullptr && (t.rows.dtype != p.q.dtype || !rows_vectorizable(t.rows, p.lead_ndim, p.S, 2, 2)))
     return false;
+  // Launches split the heads, not a head's row tiles: one head's partial rows of column sums
+  // (L x S / 16 bytes) must fit the workspace budget (L = S = 32K does not).
+  if (t.col_sum.data != nullptr && 2 * ((p.L + kBM - 1) / kBM) * (p.S + 1) > kStatsWorkspaceFloats) return false;
   return true;
 }
 

@@ -29,7 +29,8 @@ struct StatsTargets {
   DevOperand col_sum, entropy, rows;
   int64_t rows_first = 0, rows_step = 1, rows_count = 0;
 };
-// The inputs as forward_applies asks, and the targets as above.
+// The inputs as forward_applies asks, the targets as above, and, with column sums, one head's
+// partial rows within the 64 MiB workspace budget (L x S up to about 2^30).
 bool stats_applies(const DevProblem& p, const StatsTargets& t);
 // fp32 workspace the column sums need (their partial rows, a bounded number of heads at a time).
 int64_t stats_workspace_floats(const DevProblem& p, const StatsTargets& t);
