@@ -6,8 +6,8 @@ that reduces P on chip or in cache and never writes it: on the CPU for every inp
 (src/cpu/stats.cpp, extra memory O(B·H·(L + S))), on CUDA where its Hopper kernel takes the
 inputs (src/cuda/sm90/forward_sm90.cu: fp16/bf16 as the Hopper forward takes them; extra memory
 4·B·H·⌈L/64⌉·S bytes for the column sums, at most 64 MiB at a time: a head that needs more
-goes to the chunks). Everything else runs sdpa_math.attention on chunks of query rows, reduces each chunk's P to the statistics
-asked for, and drops it. With gradients, each chunk runs under
+goes to the chunks). Everything else runs sdpa_math.attention on chunks of query rows, reduces
+each chunk's P to the statistics asked for, and drops it. With gradients, each chunk runs under
 torch.utils.checkpoint (use_reentrant=False), so the graph keeps the chunk's inputs (views of
 the caller's tensors and two integers) instead of its P, and backward recomputes one chunk's P
 at a time: peak memory is O(chunk_rows * S) per head, and nothing P-sized outlives the forward.
