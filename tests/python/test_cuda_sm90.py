@@ -92,8 +92,6 @@ def test_sm90_nan_score_gives_nan_row_like_the_math_op(dtype):
     torch.testing.assert_close(probs[ok], nat_probs[ok], rtol=TOL[dtype][0], atol=TOL[dtype][1])
 
 
-@pytest.mark.xfail(strict=True, reason="known, not yet fixed: the Hopper forward's causal tail writes 0, not NaN, at the "
-                   "keys right of the CTA's last tile in a NaN row (bench/NOTES.md, session 17)")
 @pytest.mark.parametrize("dtype", DTYPES, ids=ids)
 def test_sm90_causal_nan_row_is_nan_right_of_its_tile_too(dtype):
     """The math op's causal softmax of a NaN row is NaN at every key, the hidden ones too (contract:

@@ -47,7 +47,8 @@ struct Tiles {
   static constexpr int kKVBytes = kBN * D * 2;  // one K or V tile
   static constexpr int kPBytes = 64 * kBN * 2;  // one warpgroup's P tile
   static constexpr int kBarriers = 2 * kKStages + 2 * kVStages + 1;
-  static constexpr size_t kSmem = 1024 + kQBytes + (kKStages + kVStages) * kKVBytes + 2 * kPBytes + 8 * kBarriers;
+  // + one byte a query row: whether the row is NaN, for the causal tail's fill
+  static constexpr size_t kSmem = 1024 + kQBytes + (kKStages + kVStages) * kKVBytes + 2 * kPBytes + 8 * kBarriers + kBM;
 };
 
 struct Args {
@@ -189,6 +190,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* v_full = k_empty + C::kKStages;
   uint64_t* v_empty = v_full + C::kVStages;
   uint64_t* q_full = v_empty + C::kVStages;
+  uint8_t* row_is_nan = reinterpret_cast<uint8_t*>(q_full + 1);  // [kBM], the causal tail's fill value
 
   // The longest causal row blocks first, over every head of the launch.
   const int64_t lead = a.lead0 + blockIdx.x % a.leads;
@@ -404,6 +406,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                 : kNegInf;
     if (!(total > 0.0f) && !nan) m[r] = 0.0f;  // every exp below is of -inf: P = 0
     if (t == 0 && row_ok[r]) reinterpret_cast<float*>(p.lse.data)[lead_off(p, p.lse, lead) + row[r] * p.lse.row] = lse;
+    if (t == 0) row_is_nan[cw * 64 + warp * 16 + g + 8 * r] = nan;
   }
 
   // Pass 2: P once, O += u V.
@@ -560,21 +563,25 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // Causal: the keys right of the last tile are hidden from every row of the CTA: zeros, 16 bytes
-  // a store where rows allow.
+  // a store where rows allow; NaN in a NaN row (prob_of_hidden_key: the math op's softmax of a
+  // NaN row is NaN at its hidden keys too). Each row's flag comes from the quad that holds it.
   if (z0 < p.S) {
+    named_barrier(5, 256);  // the consumers' row_is_nan writes before their reads
     const int64_t rows = (p.L - i0 < kBM ? p.L - i0 : kBM);
     const int ct = threadIdx.x - 128;
+    const uint32_t nan2 = pack2<T>(NAN, NAN);
     if (a.p_vec8) {
       const int64_t chunks = (p.S - z0) / 8;
       for (int64_t idx = ct; idx < rows * chunks; idx += 256) {
         const int64_t r = idx / chunks, c = z0 + (idx % chunks) * 8;
-        *reinterpret_cast<uint4*>(P + (i0 + r) * p.probs.row + c) = make_uint4(0, 0, 0, 0);
+        const uint32_t v = row_is_nan[r] ? nan2 : 0u;
+        *reinterpret_cast<uint4*>(P + (i0 + r) * p.probs.row + c) = make_uint4(v, v, v, v);
       }
     } else {
       const int64_t cols = p.S - z0;
       for (int64_t idx = ct; idx < rows * cols; idx += 256) {
         const int64_t r = idx / cols, c = z0 + idx % cols;
-        P[(i0 + r) * p.probs.row + c] = from_float<T>(0.0f);
+        P[(i0 + r) * p.probs.row + c] = from_float<T>(row_is_nan[r] ? NAN : 0.0f);
       }
     }
   }
