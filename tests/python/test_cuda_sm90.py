@@ -93,16 +93,22 @@ def test_sm90_nan_score_gives_nan_row_like_the_math_op(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=ids)
-def test_sm90_causal_nan_row_is_nan_right_of_its_tile_too(dtype):
+@pytest.mark.parametrize("S", [300, 384], ids=["pairs", "16-byte"])  # the tail's two store paths
+def test_sm90_causal_nan_row_is_nan_right_of_its_tile_too(dtype, S):
     """The math op's causal softmax of a NaN row is NaN at every key, the hidden ones too (contract:
-    prob_of_hidden_key). Row 5 lies in the first 128-row tile, whose CTA stops at key 128 of 300."""
+    prob_of_hidden_key). Row 5 lies in the first 128-row tile, whose CTA stops at key 128; the
+    other rows keep zeros there."""
     gen = torch.Generator(device="cuda").manual_seed(6)
     q = torch.randn(1, 2, 130, 64, generator=gen, device="cuda").to(dtype)
-    k, v = (torch.randn(1, 2, 300, 64, generator=gen, device="cuda").to(dtype) for _ in range(2))
+    k, v = (torch.randn(1, 2, S, 64, generator=gen, device="cuda").to(dtype) for _ in range(2))
     q[0, 1, 5, 3] = float("nan")
-    probs = sdpa_math.attention(q, k, v, is_causal=True)[1]
+    (_, probs), names = cuda_kernels(lambda: sdpa_math.attention(q, k, v, is_causal=True))
+    assert any("forward_sm90" in n for n in names), names
     assert aten_math(q.float(), k.float(), v.float(), is_causal=True)[1][0, 1, 5].isnan().all()
     assert probs[0, 1, 5].isnan().all()
+    others = torch.ones(130, dtype=torch.bool, device="cuda")
+    others[5] = False
+    assert (probs[0, 1, others, 128:] == 0).all() and (probs[0, 0, :, 128:] == 0).all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=ids)
