@@ -177,6 +177,9 @@ __global__ void __launch_bounds__(kThreads, 1)
                  const Args a, const StatsArgs st, const int64_t tiles) {
   using C = Tiles<D>;
   constexpr bool kMasked = MASK != MaskKind::None;
+  // Logits in natural units only where a mask value can be near a float's lowest: a row held at
+  // finfo.min would overflow fp32 in base 2. A bool mask adds 0 or -inf, which base 2 takes as is.
+  constexpr bool kNatural = MASK == MaskKind::Same || MASK == MaskKind::Float32;
   constexpr float kNegInf = -INFINITY;
   constexpr float kLog2e = 1.4426950408889634f;
   extern __shared__ unsigned char smem_raw[];
@@ -278,7 +281,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int r = 0; r < 2; ++r) m_row[r] = p.mask.data + (m_at + (row_ok[r] ? row[r] : 0) * p.mask.row) * esize;
   }
-  const float scale = kMasked ? a.scale : a.scale_log2;
+  const float scale = kNatural ? a.scale : a.scale_log2;
   const T* q_rows = sQ + cw * 64 * 64;  // this warpgroup's 64 rows of each column block
   // This warpgroup's P tile in shared memory: two 64-column blocks [64 rows][64], 128-byte
   // swizzled as the P map's TMA store reads them; pair (r, 8n + 2t) is at chunk (n % 8) ^ (r % 8).
@@ -305,19 +308,24 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (cw == 1 && turns > 0) named_barrier_arrive(3, 256);
 
   // The mask's pairs for this thread's elements of the tile at key j0, loaded while the tile's
-  // products run (rows unit-stride and pair-aligned: forward_applies).
+  // products run (rows unit-stride and pair-aligned: forward_applies). Rows past L read row 0's
+  // (their logits are never used), so a clean tile's pairs are all loaded. A mask broadcast over
+  // rows (key padding, (B, 1, 1, S)) gives both rows the same pairs: loaded once.
   typename Mask::Raw mask_pairs[kMasked ? kBN / 8 : 1][2];
+  const bool mask_rows_shared = kMasked && p.mask.row == 0;
   auto load_mask = [&](int64_t j0) {
     if constexpr (kMasked) {
+      using Raw = typename Mask::Raw;
       const int keys = static_cast<int>(p.S - j0 < kBN ? p.S - j0 : kBN);
 #pragma unroll
-      for (int n = 0; n < kBN / 8; ++n)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int jj = n * 8 + 2 * t;
-          if (row_ok[r] && jj < keys)
-            mask_pairs[n][r] = *reinterpret_cast<const typename Mask::Raw*>(m_row[r] + (j0 + jj) * Mask::kBytes);
+      for (int n = 0; n < kBN / 8; ++n) {
+        const int jj = n * 8 + 2 * t;
+        if (jj < keys) {
+          mask_pairs[n][0] = *reinterpret_cast<const Raw*>(m_row[0] + (j0 + jj) * Mask::kBytes);
+          mask_pairs[n][1] =
+              mask_rows_shared ? mask_pairs[n][0] : *reinterpret_cast<const Raw*>(m_row[1] + (j0 + jj) * Mask::kBytes);
         }
+      }
     }
   };
   // S = Q Kᵀ for this warpgroup's rows and the stage's keys (raw dot products), in its turn; the
@@ -340,11 +348,17 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_regs(s);
   };
   // Scores to logits in place: scaled, masked, -inf where hidden (past S, causal, a false mask
-  // entry, a padding row). `clean` tiles (unmasked problems only) skip the index checks.
+  // entry, a padding row). `clean` tiles skip the index checks (rows past L then get finite
+  // logits, which nothing reads: their P, O, lse and statistics are never stored).
   auto to_logits = [&](float (&s)[kBN / 2], int64_t j0, bool clean) {
-    if (!kMasked && clean) {
+    if (clean) {
 #pragma unroll
-      for (int i = 0; i < kBN / 2; ++i) s[i] *= scale;
+      for (int n = 0; n < kBN / 8; ++n)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          if constexpr (kMasked) s[4 * n + c] = s[4 * n + c] * scale + Mask::value(mask_pairs[n][c >> 1], c & 1);
+          else s[4 * n + c] *= scale;
+        }
       return;
     }
     // Keys visible to each row: columns < limit[r] of the tile.
@@ -387,8 +401,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int r = 0; r < 2; ++r) {
       const float new_max = max_nan(m[r], quad_max_nan(row_max(s, r)) * mul);
       if (new_max == kNegInf) continue;
-      const float add = row_sum_exp<kMasked>(s, r, mul, new_max);
-      l[r] = l[r] * exp_from<kMasked>(m[r], 1.0f, new_max) + add;  // exp(-inf) = 0 on the first tile
+      const float add = row_sum_exp<kNatural>(s, r, mul, new_max);
+      l[r] = l[r] * exp_from<kNatural>(m[r], 1.0f, new_max) + add;  // exp(-inf) = 0 on the first tile
       m[r] = new_max;
     }
   }
@@ -401,7 +415,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const float total = quad_sum(l[r]);
     const bool nan = total != total;
     inv_l[r] = total > 0.0f ? 1.0f / total : nan ? total : 0.0f;
-    const float lse = total > 0.0f ? (kMasked ? m[r] + logf(total) : (m[r] + log2f(total)) / kLog2e)
+    const float lse = total > 0.0f ? (kNatural ? m[r] + logf(total) : (m[r] + log2f(total)) / kLog2e)
                       : nan     ? total
                                 : kNegInf;
     if (!(total > 0.0f) && !nan) m[r] = 0.0f;  // every exp below is of -inf: P = 0
@@ -457,8 +471,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             const int n = 2 * n2 + nb;
-            const float u0 = exp_from<kMasked>(s[4 * n + 2 * r], mul, m[r]);
-            const float u1 = exp_from<kMasked>(s[4 * n + 2 * r + 1], mul, m[r]);
+            const float u0 = exp_from<kNatural>(s[4 * n + 2 * r], mul, m[r]);
+            const float u1 = exp_from<kNatural>(s[4 * n + 2 * r + 1], mul, m[r]);
             // A fragment of k-step n2: {row g, keys 2t..} {row g+8, 2t..} {g, 2t+8..} {g+8, 2t+8..}.
             u_frag[n2][nb * 2 + r] = pack2<T>(u0, u1);
             pr[nb * 2 + r] = pack2<T>(u0 * inv_l[r], u1 * inv_l[r]);
@@ -470,8 +484,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int n = 0; n < kBN / 8; ++n)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const float u0 = exp_from<kMasked>(s[4 * n + 2 * r], mul, m[r]);
-          const float u1 = exp_from<kMasked>(s[4 * n + 2 * r + 1], mul, m[r]);
+          const float u0 = exp_from<kNatural>(s[4 * n + 2 * r], mul, m[r]);
+          const float u1 = exp_from<kNatural>(s[4 * n + 2 * r + 1], mul, m[r]);
           u_frag[n / 2][(n & 1) * 2 + r] = pack2<T>(u0, u1);
           const int jj = n * 8 + 2 * t;  // S is even (forward_applies): pairs never straddle the end
           if ((STATS ? p_row[r] != nullptr : row_ok[r]) && (clean || jj < keys))
@@ -548,7 +562,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int r = 0; r < 2; ++r) {
       const float total = quad_sum(l[r]), sum_h = quad_sum(h[r]);
       if (st.ent.data != nullptr && t == 0 && row_ok[r]) {
-        const float ent = total > 0.0f ? logf(total) + (kMasked ? sum_h : sum_h * 0.6931471805599453f) / total
+        const float ent = total > 0.0f ? logf(total) + (kNatural ? sum_h : sum_h * 0.6931471805599453f) / total
                           : total == 0.0f ? 0.0f
                                           : total;
         reinterpret_cast<float*>(st.ent.data)[lead_off(p, st.ent, lead) + row[r] * st.ent.row] = ent;
