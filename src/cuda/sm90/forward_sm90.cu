@@ -309,23 +309,21 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // The mask's pairs for this thread's elements of the tile at key j0, loaded while the tile's
   // products run (rows unit-stride and pair-aligned: forward_applies). Rows past L read row 0's
-  // (their logits are never used), so a clean tile's pairs are all loaded. A mask broadcast over
-  // rows (key padding, (B, 1, 1, S)) gives both rows the same pairs: loaded once.
+  // (their logits are never used), so a clean tile's pairs are all loaded. (A mask broadcast over
+  // rows loads the same pairs twice, from L1: copying row 0's instead makes each copy wait for its
+  // load, 16 waits a tile, 1.5x the masked kernel's time, session 18.)
   typename Mask::Raw mask_pairs[kMasked ? kBN / 8 : 1][2];
-  const bool mask_rows_shared = kMasked && p.mask.row == 0;
   auto load_mask = [&](int64_t j0) {
     if constexpr (kMasked) {
-      using Raw = typename Mask::Raw;
       const int keys = static_cast<int>(p.S - j0 < kBN ? p.S - j0 : kBN);
 #pragma unroll
-      for (int n = 0; n < kBN / 8; ++n) {
-        const int jj = n * 8 + 2 * t;
-        if (jj < keys) {
-          mask_pairs[n][0] = *reinterpret_cast<const Raw*>(m_row[0] + (j0 + jj) * Mask::kBytes);
-          mask_pairs[n][1] =
-              mask_rows_shared ? mask_pairs[n][0] : *reinterpret_cast<const Raw*>(m_row[1] + (j0 + jj) * Mask::kBytes);
+      for (int n = 0; n < kBN / 8; ++n)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int jj = n * 8 + 2 * t;
+          if (jj < keys)
+            mask_pairs[n][r] = *reinterpret_cast<const typename Mask::Raw*>(m_row[r] + (j0 + jj) * Mask::kBytes);
         }
-      }
     }
   };
   // S = Q Kᵀ for this warpgroup's rows and the stage's keys (raw dot products), in its turn; the
