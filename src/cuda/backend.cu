@@ -281,7 +281,9 @@ void forward_stats(const core::Problem& p, const StatsOutputs& out, const CudaEx
   dp.out = output_to_device(p, out.output, true);
   dp.lse = output_to_device(p, out.logsumexp, false);
   const sm90::StatsTargets t = stats_targets(p, out);
-  if (sm90::stats_applies(dp, t)) {
+  // The cheap conditions here; whether TMA can address the inputs, forward_stats finds out as it
+  // encodes the maps it runs with (false: nothing launched).
+  if (sm90::stats_conditions(dp, t)) {
     Scratch scratch(ex, stream);
     if (sm90::forward_stats(dp, t, scratch.uninitialized<float>(sm90::stats_workspace_floats(dp, t)), stream)) return;
   }

@@ -758,12 +758,9 @@ bool forward(const DevProblem& p, cudaStream_t stream) {
   return forward_for<__nv_bfloat16>(p, stream);
 }
 
-bool stats_applies(const DevProblem& p, const StatsTargets& t) {
-  if (!inputs_apply(p)) return false;
-  CUtensorMap q, k, v;  // TMA can address the inputs
-  Args a;
+bool stats_conditions(const DevProblem& p, const StatsTargets& t) {
   MaskKind mask;
-  if (!common_args(p, q, k, v, a, mask)) return false;
+  if (!inputs_apply(p) || !mask_kind(p, mask)) return false;
   // fp32 statistics; the window's rows as P's (inputs' dtype, pair stores).
   if (t.col_sum.data != nullptr && t.col_sum.dtype != DType::Float32) return false;
   if (t.entropy.data != nullptr && t.entropy.dtype != DType::Float32) return false;
@@ -773,6 +770,14 @@ bool stats_applies(const DevProblem& p, const StatsTargets& t) {
   // (L x S / 16 bytes) must fit the workspace budget (L = S = 32K does not).
   if (t.col_sum.data != nullptr && 2 * ((p.L + kBM - 1) / kBM) * (p.S + 1) > kStatsWorkspaceFloats) return false;
   return true;
+}
+
+bool stats_applies(const DevProblem& p, const StatsTargets& t) {
+  if (!stats_conditions(p, t)) return false;
+  CUtensorMap q, k, v;  // TMA can address the inputs
+  Args a;
+  MaskKind mask;
+  return common_args(p, q, k, v, a, mask);
 }
 
 int64_t stats_workspace_floats(const DevProblem& p, const StatsTargets& t) {

@@ -30,7 +30,11 @@ struct StatsTargets {
   int64_t rows_first = 0, rows_step = 1, rows_count = 0;
 };
 // The inputs as forward_applies asks, the targets as above, and, with column sums, one head's
-// partial rows within the 64 MiB workspace budget (L x S up to about 2^30).
+// partial rows within the 64 MiB workspace budget (L x S up to about 2^30): every condition but
+// the TMA unit's reach, which forward_stats checks itself (it encodes the maps anyway).
+bool stats_conditions(const DevProblem& p, const StatsTargets& t);
+// stats_conditions and TMA can address the inputs (encodes the three maps: for a predicate; a
+// caller about to run takes stats_conditions and forward_stats's result).
 bool stats_applies(const DevProblem& p, const StatsTargets& t);
 // fp32 workspace the column sums need (their partial rows, a bounded number of heads at a time).
 int64_t stats_workspace_floats(const DevProblem& p, const StatsTargets& t);
