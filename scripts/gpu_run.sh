@@ -2,7 +2,7 @@
 # One call on the GPU machine does the whole job: check the machine, build the package there the
 # way a user does (pip with that machine's own compilers), check the build, run the GPU tests,
 # run a subset under compute-sanitizer, and benchmark. Raw results go under $OUT.
-#   bash scripts/gpu_run.sh [tests] [sanitize] [initcheck-repro] [cpu-only] [bench] [bench-full] [model] [demo] [profile]
+#   bash scripts/gpu_run.sh [tests] [sanitize] [initcheck-repro] [cpu-only] [bench] [stats] [bench-full] [model] [demo] [profile]
 # SDPA_MATH_PYTEST_ARGS: what the tests stage runs (default tests/python). SDPA_MATH_GPU_ARCHS: the CUDA architectures to build (default 90a-real: the H200; a user's plain
 # `pip install .` builds the CMake default list). SDPA_MATH_CARRIED=1 uses a build carried from the
 # build machine at python/sdpa_math/_C.so (or the site folder SDPA_MATH_CARRIED_SITE) instead (a
@@ -88,6 +88,12 @@ for stage in $stages; do
       log "benchmark: anchor shapes and input variants, fp16 and bf16"
       python3 -m sdpa_math.bench run --device cuda --set ${SDPA_MATH_BENCH_SET:-anchors+variants} \
         --dtypes ${SDPA_MATH_BENCH_DTYPES:-float16 bfloat16} --out "$OUT" 2>&1 | tail -40 ;;
+    stats)
+      # The statistics rows (issue 16), gated against the committed H200 statistics baseline.
+      log "statistics of P: bench stats, fp16 and bf16, and its gate"
+      timeout ${SDPA_MATH_STATS_TIMEOUT:-900} python3 -m sdpa_math.bench stats --device cuda --set anchors \
+        --dtypes ${SDPA_MATH_BENCH_DTYPES:-float16 bfloat16} --out "$OUT" 2>&1 | tail -20
+      python3 -m sdpa_math.bench gate "$OUT/stats.json" bench/baselines/h200-stats.json --subset 2>&1 | tail -20 ;;
     bench-full)
       log "benchmark: anchors and sweep, fp16, bf16, fp32"
       python3 -m sdpa_math.bench run --device cuda --set anchors+sweep --out "$OUT" 2>&1 | tail -50 ;;

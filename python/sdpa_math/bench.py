@@ -742,25 +742,63 @@ def new_rows(run, baseline):
     return [(r["shape"], r["dtype"]) for r in run["rows"] if (r["shape"], r["dtype"]) not in have]
 
 
+def is_stats_row(row):
+    """A row of `bench stats` (statistics of P), not of `bench run`."""
+    return "x_flash" in row
+
+
+def judged_ratios(row):
+    """The same-run ratios the gate judges in a row, by name; higher is better. `bench run` rows:
+    ours against the math op and against the floor, forward and forward + backward. `bench stats`
+    rows: the statistics forward against the math op's P and its reductions, ours and rows64
+    against flash attention's forward (flash time / ours), and kl_to's forward + backward against
+    flash attention's."""
+    if is_stats_row(row):
+        out = {}
+        if row.get("speedup_vs_native", {}).get("ours") is not None:
+            out["stats vs native"] = row["speedup_vs_native"]["ours"]
+        for name in ("ours", "rows64"):
+            if row.get("x_flash", {}).get(name):
+                out[f"stats {name} vs flash"] = 1.0 / row["x_flash"][name]
+        if row.get("kl_fwdbwd", {}).get("x_flash"):
+            out["kl_to fwd+bwd vs flash"] = 1.0 / row["kl_fwdbwd"]["x_flash"]
+        return out
+    return {f"{phase} vs {against}": v for phase in ("fwd_ms", "fwdbwd_ms") for against in ("native", "floor")
+            if (v := row.get("speedup", {}).get(phase, {}).get(against)) is not None}
+
+
+def _row_problems(row):
+    """Reasons a row fails without a baseline: an error in ours, or (bench run) an override that
+    did not take the aten call."""
+    if is_stats_row(row):
+        return [f"ours failed: {row['errors']['ours']}"] if "ours" in row.get("errors", {}) else []
+    ours, ov = row["impls"].get("ours", {}), row["impls"].get("override", {})
+    if "error" in ours:
+        return [f"ours failed: {ours['error']}"]
+    if ov and "error" in ov:
+        return [f"the override failed: {ov['error']}"]
+    if ov and not ov.get("override_took_call", False):
+        return ["the override did not take the aten call (fell back to native)"]
+    return []
+
+
 def gate(run, baseline, threshold, current_hash=None, subset=False):
     """Returns (fails, warns), lists of reasons. A row of the baseline missing from the run, a
-    run that measured other code than the tree's, an override that did not take its call, or an
-    error in ours is a FAIL; a same-run ratio (ours vs native, ours vs the floor) below the
-    baseline's by more than `threshold` is a FAIL, by more than half of it a WARN. Rows of the run
-    that the baseline lacks (`new_rows`) have no ratios to judge; an error in ours or an override
-    that did not take its call there still FAILs, as neither needs a baseline. With `subset`, a
-    baseline row missing from the run is not judged (a run of some of the baseline's sets)."""
+    run that measured other code than the tree's, an override that did not take its call, an
+    error in ours, or a statistics row that the fused kernel ran in the baseline and not in the
+    run, is a FAIL; a same-run ratio (`judged_ratios`) below the baseline's by more than
+    `threshold` is a FAIL, by more than half of it a WARN. Rows of the run that the baseline lacks
+    (`new_rows`) have no ratios to judge; an error in ours or an override that did not take its
+    call there still FAILs, as neither needs a baseline. With `subset`, a baseline row missing
+    from the run is not judged (a run of some of the baseline's sets). The same rules hold for
+    `bench run` and `bench stats` runs (each against a baseline of its own kind)."""
     fails, warns = [], []
     by_base = {(b["shape"], b["dtype"]) for b in baseline["rows"]}
     for r in run["rows"]:
         key = (r["shape"], r["dtype"])
         if key in by_base:
             continue
-        ours, ov = r["impls"].get("ours", {}), r["impls"].get("override", {})
-        if "error" in ours:
-            fails.append(f"{key} (new): ours failed: {ours['error']}")
-        elif ov and "error" not in ov and not ov.get("override_took_call", False):
-            fails.append(f"{key} (new): the override did not take the aten call (fell back to native)")
+        fails += [f"{key} (new): {why}" for why in _row_problems(r)]
     if run["info"].get("device") != baseline["info"].get("device"):
         fails.append(f"device profile {run['info'].get('device')} is not the baseline's {baseline['info'].get('device')}")
     if current_hash is not None and run["info"].get("code_hash") != current_hash:
@@ -773,25 +811,21 @@ def gate(run, baseline, threshold, current_hash=None, subset=False):
             if not subset:
                 fails.append(f"{key}: missing from the run")
             continue
-        ours = r["impls"].get("ours", {})
-        if "error" in ours:
-            fails.append(f"{key}: ours failed: {ours['error']}")
+        problems = _row_problems(r)
+        fails += [f"{key}: {why}" for why in problems]
+        if problems and problems[0].startswith("ours failed"):
             continue
-        ov = r["impls"].get("override", {})
-        if ov and not ov.get("override_took_call", False):
-            fails.append(f"{key}: the override did not take the aten call (fell back to native)")
-        for phase in ("fwd_ms", "fwdbwd_ms"):
-            for against in ("native", "floor"):
-                base = b.get("speedup", {}).get(phase, {}).get(against)
-                if base is None:
-                    continue
-                got = r.get("speedup", {}).get(phase, {}).get(against)
-                if got is None:
-                    fails.append(f"{key} {phase} vs {against}: not measured")
-                elif got < base * (1 - threshold):
-                    fails.append(f"{key} {phase} vs {against}: {got:.2f}x, baseline {base:.2f}x")
-                elif got < base * (1 - threshold / 2):
-                    warns.append(f"{key} {phase} vs {against}: {got:.2f}x, baseline {base:.2f}x")
+        if is_stats_row(b) and b.get("fused") and not r.get("fused"):
+            fails.append(f"{key}: the fused statistics kernel no longer takes this row")
+        got_ratios = judged_ratios(r)
+        for name, base in judged_ratios(b).items():
+            got = got_ratios.get(name)
+            if got is None:
+                fails.append(f"{key} {name}: not measured")
+            elif got < base * (1 - threshold):
+                fails.append(f"{key} {name}: {got:.2f}x, baseline {base:.2f}x")
+            elif got < base * (1 - threshold / 2):
+                warns.append(f"{key} {name}: {got:.2f}x, baseline {base:.2f}x")
     return fails, warns
 
 
@@ -854,6 +888,51 @@ def stats_impls(device):
     return impls
 
 
+KL_COLUMNS = ["ours", "native", "flash"]
+
+
+def kl_impls():
+    """name -> fn(q, k, v, ref, s, scale): forward + backward of a distillation term, KL(ref ‖ P)
+    per row summed, with its gradient to q and k (issue 16's `kl_to` target):
+      ours     sdpa_math.stats.attention_stats(kl_to=ref) (P never kept whole: chunks, each
+               recomputed in the backward)
+      native   the math op's P, the KL written as a user writes it, autograd through both
+      flash    PyTorch's fused kernel forward + backward through O (no P, no KL): the speed of light"""
+    from .stats import attention_stats
+
+    def ours(q, k, v, ref, s, scale):
+        _, st = attention_stats(q, k, v, is_causal=s.causal, scale=scale, enable_gqa=s.Hq != s.Hkv, kl_to=ref)
+        return torch.autograd.grad(st["kl_to"].sum(), (q, k))
+
+    def native(q, k, v, ref, s, scale):
+        _, P = aten_math(q, k, v, is_causal=s.causal, scale=scale, enable_gqa=s.Hq != s.Hkv)
+        r, pf = ref.float(), P.float()
+        kl = (torch.xlogy(r, r) - r * torch.log(torch.where(r > 0, pf, torch.ones_like(pf)))).sum(-1)
+        return torch.autograd.grad(kl.sum(), (q, k))
+
+    def flash(q, k, v, ref, s, scale):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=s.causal, scale=scale, enable_gqa=s.Hq != s.Hkv)
+        return torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+
+    return {"ours": ours, "native": native, "flash": flash}
+
+
+def run_kl(s: Shape, dtype, device, reps, q, k, v, scale):
+    """Forward + backward times of kl_impls on one shape, and ours' ratio to flash; the reference
+    map is another head's softmax (a teacher), in the inputs' dtype."""
+    q_ref = torch.randn(q.shape, generator=torch.Generator(device=device).manual_seed(5), device=device, dtype=dtype)
+    with torch.no_grad():
+        _, ref = aten_math(q_ref, k, v, is_causal=s.causal, scale=scale, enable_gqa=s.Hq != s.Hkv)
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    fns = {name: (lambda f=f: f(*leaves, ref, s, scale)) for name, f in kl_impls().items()}
+    times, errors = interleaved_ms(fns, device, reps=reps)
+    ms = {name: t for name, (t, _) in times.items()}
+    out = {"ms": ms, "errors": errors}
+    if ms.get("flash") and ms.get("ours"):
+        out["x_flash"] = ms["ours"] / ms["flash"]
+    return out
+
+
 def run_stats_row(impls, s: Shape, dtype, device, reps):
     q, k, v, _ = make_inputs(s, dtype, device)
     scale = 1.0 / math.sqrt(s.D)
@@ -881,6 +960,7 @@ def run_stats_row(impls, s: Shape, dtype, device, reps):
     row["speedup_vs_native"] = {name: base / t for name, t in row["ms"].items() if base}
     flash = row["ms"].get("flash")
     row["x_flash"] = {name: t / flash for name, t in row["ms"].items() if flash}
+    row["kl_fwdbwd"] = run_kl(s, dtype, device, reps, q, k, v, scale)
     return row
 
 
@@ -912,6 +992,20 @@ def stats_markdown(run):
                      f" | {r['x_flash'].get('rows64', float('nan')):.2f}"
                      f" | {err('ours')} | {err('chunks')} | {err('native')} |")
     lines += ["", "err: the larger relative (Frobenius) error of col_sum and row_entropy against float64."]
+    kl_rows = [r for r in run["rows"] if "kl_fwdbwd" in r]
+    if kl_rows:
+        lines += ["", "## Distillation: KL(ref ‖ P) per row, forward + backward to q and k (median ms)", "",
+                  "ours: `attention_stats(kl_to=ref)`; native: the math op's P and the KL by hand; flash: PyTorch's "
+                  "fused kernel forward + backward through O alone (no P, no KL).", "",
+                  "| shape | dtype | " + " | ".join(f"{c} ms" for c in KL_COLUMNS) + " | ours / flash | ours x native |",
+                  "|" + "---|" * (2 + len(KL_COLUMNS) + 2)]
+        for r in kl_rows:
+            kl = r["kl_fwdbwd"]
+            ms = kl["ms"]
+            cells = [f"{ms[c]:.3f}" if c in ms else "—" for c in KL_COLUMNS]
+            ratio = f"{kl['x_flash']:.2f}" if "x_flash" in kl else "—"
+            vs_native = f"{ms['native'] / ms['ours']:.2f}" if ms.get("native") and ms.get("ours") else "—"
+            lines.append(f"| {r['shape']} | {r['dtype']} | " + " | ".join(cells) + f" | {ratio} | {vs_native} |")
     return "\n".join(lines) + "\n"
 
 

@@ -82,3 +82,37 @@ def test_subset_judges_only_the_rows_the_run_has():
     baseline["rows"].append(other)
     assert gate(_run(), baseline, 0.3) == (["('s2', 'float32'): missing from the run"], [])
     assert gate(_run(), baseline, 0.3, subset=True) == ([], [])
+
+
+def _stats_run(native_ratio=10.0, x_flash=3.0, rows64_x_flash=2.0, fused=True, error=None):
+    row = {"shape": "s1", "dtype": "float16", "fused": fused,
+           "ms": {"ours": 0.3, "native": 3.0, "flash": 0.1},
+           "errors": {"ours": error} if error else {},
+           "speedup_vs_native": {"ours": native_ratio, "native": 1.0},
+           "x_flash": {"ours": x_flash, "rows64": rows64_x_flash, "flash": 1.0}}
+    return {"info": {"device": "cuda", "code_hash": "abc"}, "rows": [row]}
+
+
+def test_statistics_rows_are_judged_by_their_own_ratios():
+    assert gate(_stats_run(), _stats_run(), 0.3) == ([], [])
+    # ours against the math op, and ours and rows64 against flash (flash / ours: higher is better)
+    fails, _ = gate(_stats_run(native_ratio=6.0), _stats_run(), 0.3)
+    assert fails == ["('s1', 'float16') stats vs native: 6.00x, baseline 10.00x"]
+    fails, warns = gate(_stats_run(x_flash=4.0), _stats_run(), 0.3)  # 0.25 against 0.33: -25 %
+    assert not fails and warns == ["('s1', 'float16') stats ours vs flash: 0.25x, baseline 0.33x"]
+    fails, _ = gate(_stats_run(rows64_x_flash=4.0), _stats_run(), 0.3)
+    assert fails == ["('s1', 'float16') stats rows64 vs flash: 0.25x, baseline 0.50x"]
+
+
+def test_a_statistics_row_that_left_the_fused_kernel_or_failed_fails():
+    fails, _ = gate(_stats_run(fused=False), _stats_run(), 0.3)
+    assert fails == ["('s1', 'float16'): the fused statistics kernel no longer takes this row"]
+    fails, _ = gate(_stats_run(error="RuntimeError: boom"), _stats_run(), 0.3)
+    assert fails == ["('s1', 'float16'): ours failed: RuntimeError: boom"]
+
+
+def test_an_override_that_failed_fails():
+    run = _run()
+    run["rows"][0]["impls"]["override"] = {"error": "RuntimeError: boom"}
+    fails, _ = gate(run, _run(), 0.3)
+    assert fails == ["('s1', 'float32'): the override failed: RuntimeError: boom"]

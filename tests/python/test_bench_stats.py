@@ -40,7 +40,24 @@ def test_a_row_and_its_report(tmp_path):
     assert max(row["rel_err"]["ours"].values()) <= 1e-5
     assert max(row["rel_err"]["native"].values()) > 1e-5
     assert row["speedup_vs_native"]["native"] == 1.0
+    kl = row["kl_fwdbwd"]  # the distillation term's forward + backward, each way timed
+    assert set(kl["ms"]) == {"ours", "native", "flash"} and not kl["errors"] and kl["x_flash"] > 0
     run = {"info": {**bench.machine_info("cpu"), "timing": "wall"}, "rows": [row]}
     json.dumps(run)
     md = bench.stats_markdown(run)
-    assert "| tiny | bfloat16 | yes |" in md and md.count("\n|") == 3
+    assert "| tiny | bfloat16 | yes |" in md and md.count("\n|") == 6
+    assert "| tiny | bfloat16 | " + f"{kl['ms']['ours']:.3f}" in md
+
+
+def test_every_kl_way_gives_the_same_gradients():
+    s = TINY_CAUSAL
+    q, k, v, _ = make_inputs(s, torch.float64, "cpu")
+    scale = s.D ** -0.5
+    _, ref = bench.aten_math(torch.randn_like(q), k, v, is_causal=True, scale=scale)
+    grads = {}
+    for name in ("ours", "native"):
+        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+        grads[name] = bench.kl_impls()[name](*leaves, ref, s, scale)
+    for a, b in zip(grads["ours"], grads["native"]):
+        torch.testing.assert_close(a, b)
+    assert grads["ours"][0].abs().max() > 0
