@@ -76,7 +76,8 @@ def test_statistics_kernel_runs_and_is_within_1e_5_of_float64(name, dtype):
         assert rel_err(st[key], want) <= 1e-5, (key, rel_err(st[key], want))
         torch.testing.assert_close(st[key].double(), want, rtol=1e-5, atol=1e-5, msg=key)
     O, P, lse = sdpa_math.attention_with_lse(q, k, v, mask, **kw)
-    _, lse_stats, *_ = ops.forward_stats(q, k, v, mask, kw["is_causal"], None, kw["enable_gqa"], False, False, 0, 0, 1)
+    # with column sums every CTA runs the forward's two passes: its lse, bit for bit
+    _, lse_stats, *_ = ops.forward_stats(q, k, v, mask, kw["is_causal"], None, kw["enable_gqa"], True, False, 0, 0, 1)
     if q.shape[-2] > 4:  # the forward's own kernel: its O, lse and P, bit for bit
         assert torch.equal(out, O) and torch.equal(lse_stats, lse)
         if win is not None:
@@ -86,6 +87,49 @@ def test_statistics_kernel_runs_and_is_within_1e_5_of_float64(name, dtype):
         torch.testing.assert_close(lse_stats, lse, rtol=1e-5, atol=1e-5)
         if win is not None:
             torch.testing.assert_close(st["rows"], P[..., win, :], rtol=1e-2, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("name", ["d64", "d128_causal_L_lt_S_blhe", "causal_L_gt_S", "d80_keypad", "float_full",
+                                  "float32_mask", "odd_S_3_rows"])
+def test_one_pass_ctas_entropy_and_a_last_rows_window(name, dtype):
+    """Without column sums, the CTAs with no row of the window run one pass over the keys (online
+    max, O and the entropy's sum rescaled as it grows). Entropy within 1e-5 of float64; O and lse
+    those of the forward to rounding (not bit for bit: another order of sums); the window's CTA
+    runs the two passes, so its rows are P's bits."""
+    q, k, v, mask, kw = inputs(name, dtype)
+    L, S = q.shape[-2], k.shape[-2]
+    win = slice(-2, None) if S % 2 == 0 else None
+    (out, st), names = cuda_kernels(lambda: attention_stats(q, k, v, mask, row_entropy=True, rows=win, method="fused",
+                                                            **kw))
+    assert any("forward_sm90" in n for n in names) and not any("stats_columns" in n for n in names), names
+    _, want_ent = ref_stats(q, k, v, mask, kw)
+    assert rel_err(st["row_entropy"], want_ent) <= 1e-5, rel_err(st["row_entropy"], want_ent)
+    torch.testing.assert_close(st["row_entropy"].double(), want_ent, rtol=1e-5, atol=1e-5)
+    O, P, lse = sdpa_math.attention_with_lse(q, k, v, mask, **kw)
+    torch.testing.assert_close(out, O, rtol=1e-2, atol=2e-3)
+    _, lse_one, *_ = ops.forward_stats(q, k, v, mask, kw["is_causal"], None, kw["enable_gqa"], False, True, 0, 0, 1)
+    torch.testing.assert_close(lse_one, lse, rtol=1e-5, atol=1e-5)
+    if win is not None and L > 4:
+        assert torch.equal(st["rows"], P[..., win, :])
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
+def test_one_pass_nan_and_fully_masked_rows(dtype):
+    """The one-pass CTAs keep the contract's rows: a NaN score gives a NaN entropy, O row and lse;
+    a row with no visible key entropy 0, O 0 and lse -inf."""
+    q, k, v, _, kw = inputs("d64", dtype)
+    q[0, 1, 7, 3] = float("nan")
+    mask = torch.ones(q.shape[0], 1, q.shape[-2], k.shape[-2], dtype=torch.bool, device="cuda")
+    mask[..., 20, :] = False
+    out, lse, _, ent, _ = ops.forward_stats(q, k, v, mask, False, None, False, False, True, 0, 0, 1)
+    assert torch.isnan(ent[0, 1, 7]) and torch.isnan(out[0, 1, 7]).all() and torch.isnan(lse[0, 1, 7])
+    assert not torch.isnan(ent[0, 1, 6]) and not torch.isnan(ent[0, 0, 7])
+    assert (ent[..., 20] == 0).all() and (out[..., 20, :] == 0).all() and (lse[..., 20] == float("-inf")).all()
+    _, want_ent = ref_stats(q, k, v, mask, kw)  # (the reference gives the NaN row 0: left out)
+    keep = torch.ones_like(want_ent, dtype=torch.bool)
+    keep[0, 1, 7] = False
+    torch.testing.assert_close(ent.double()[keep], want_ent[keep], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)

@@ -201,6 +201,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t i0 = row_tile * kBM;
   const int64_t j_end = p.causal ? (i0 + kBM < p.S ? i0 + kBM : p.S) : p.S;
   const int n_tiles = static_cast<int>((j_end + kBN - 1) / kBN);
+  // STATS: a CTA none of whose rows needs P normalised as it goes (no column sums asked, no row
+  // of the window) runs one pass over the keys instead of two: the max and sum grow online, and
+  // O and the entropy's sum are rescaled as the max grows (flash attention's way).
+  bool one_pass = false;
+  if constexpr (STATS) {
+    bool window_rows = false;
+    if (st.win_count > 0) {
+      const int64_t rows_end = i0 + kBM < p.L ? i0 + kBM : p.L;
+      const int64_t k = i0 <= st.win_first ? 0 : (i0 - st.win_first + st.win_step - 1) / st.win_step;
+      window_rows = k < st.win_count && st.win_first + k * st.win_step < rows_end;
+    }
+    one_pass = st.col_part == nullptr && !window_rows;
+  }
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < C::kKStages; ++s) {
@@ -244,7 +257,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           tma_load_5d(ring + st * kBN * D + b * kBN * 64, map, &full_bars[st], b * 64, nt * kBN, c[0], c[1], c[2]);
       };
       int kt = 0, vt = 0;
-      for (int pass = 0; pass < 2; ++pass)
+      for (int pass = one_pass ? 1 : 0; pass < 2; ++pass)
         for (int nt = 0; nt < n_tiles; ++nt) {
           produce(sK, &tm_k, k_full, k_empty, C::kKStages, kt, nt, ck);
           if (pass == 1) produce(sV, &tm_v, v_full, v_empty, C::kVStages, vt, nt, cv);
@@ -299,7 +312,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Ping-pong: the two warpgroups take turns to issue their products (named barriers 3 and 4), so
   // one's softmax runs while the other's products occupy the tensor cores instead of both
   // drifting into lockstep on the same tiles. Warpgroup 0 goes first; both take 3 turns a tile.
-  const int turns = 3 * n_tiles;
+  const int turns = (one_pass ? 2 : 3) * n_tiles;
   int turn = 0;
   auto turn_begin = [&] { named_barrier(3 + cw, 256); };
   auto turn_end = [&] {
@@ -385,7 +398,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Pass 1: the running max (common to the quad sharing a row) and per-thread partial sums.
   float m[2] = {kNegInf, kNegInf}, l[2] = {0.0f, 0.0f};
   int kt = 0;  // uses of the K ring so far (its stage and phase)
-  for (int nt = 0; nt < n_tiles; ++nt, ++kt) {
+  for (int nt = 0; nt < (one_pass ? 0 : n_tiles); ++nt, ++kt) {
     const int stage = kt % C::kKStages;
     mbar_wait(&k_full[stage], (kt / C::kKStages) & 1);
     float s[kBN / 2];
@@ -406,20 +419,27 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // P = exp(x - m) / l; the lse. A fully masked row (l = 0) gives P = 0 and lse = -inf; a NaN
-  // anywhere in the row gives NaN throughout.
-  float inv_l[2];
+  // anywhere in the row gives NaN throughout. (One-pass CTAs: after their pass.)
+  float inv_l[2] = {0.0f, 0.0f};
+  auto finish_rows = [&] {
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float total = quad_sum(l[r]);
-    const bool nan = total != total;
-    inv_l[r] = total > 0.0f ? 1.0f / total : nan ? total : 0.0f;
-    const float lse = total > 0.0f ? (kNatural ? m[r] + logf(total) : (m[r] + log2f(total)) / kLog2e)
-                      : nan     ? total
-                                : kNegInf;
-    if (!(total > 0.0f) && !nan) m[r] = 0.0f;  // every exp below is of -inf: P = 0
-    if (t == 0 && row_ok[r]) reinterpret_cast<float*>(p.lse.data)[lead_off(p, p.lse, lead) + row[r] * p.lse.row] = lse;
-    if (t == 0) row_is_nan[cw * 64 + warp * 16 + g + 8 * r] = nan;
-  }
+    for (int r = 0; r < 2; ++r) {
+      const float total = quad_sum(l[r]);
+      const bool nan = total != total;
+      inv_l[r] = total > 0.0f ? 1.0f / total : nan ? total : 0.0f;
+      const float lse = total > 0.0f ? (kNatural ? m[r] + logf(total) : (m[r] + log2f(total)) / kLog2e)
+                        : nan     ? total
+                                  : kNegInf;
+      if (!(total > 0.0f) && !nan) m[r] = 0.0f;  // every exp below is of -inf: P = 0
+      if (t == 0 && row_ok[r]) reinterpret_cast<float*>(p.lse.data)[lead_off(p, p.lse, lead) + row[r] * p.lse.row] = lse;
+      if (t == 0) row_is_nan[cw * 64 + warp * 16 + g + 8 * r] = nan;
+    }
+  };
+  if (!one_pass) finish_rows();
+  // One-pass CTAs: the running max (-inf while a row has seen no visible key); m is then the
+  // reference of the exponents and of l, h and O: the max, or 0 while the max is -inf.
+  float run_max[2] = {kNegInf, kNegInf};
+  if (one_pass) m[0] = m[1] = 0.0f;
 
   // Pass 2: P once, O += u V.
   float h[2] = {0.0f, 0.0f};  // STATS: Σ u (m − x) over this thread's elements of each row
@@ -452,6 +472,29 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (!raw) to_logits(s, j0, clean);
     const float mul = raw ? scale : 1.0f;
     const int keys = static_cast<int>(p.S - j0 < kBN ? p.S - j0 : kBN);  // P columns of this tile
+    if constexpr (STATS) {
+      if (one_pass) {
+        // The tile's max; l, h (Σ u (m − x)) and O move from the old reference to the new:
+        // times a = exp(m_old − m_new), and h also gains (m_new − m_old) l_old. A row that had
+        // seen no visible key has l = h = O = 0 (a = 0: exp of an old reference of 0 against a
+        // very negative new max would overflow).
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const float new_max = max_nan(run_max[r], quad_max_nan(row_max(s, r)) * mul);
+          const float ref = new_max == kNegInf ? 0.0f : new_max;
+          const float a_r = run_max[r] == kNegInf ? 0.0f : exp_from<kNatural>(m[r], 1.0f, ref);
+          h[r] = a_r * fmaf(ref - m[r], l[r], h[r]);
+          l[r] *= a_r;
+#pragma unroll
+          for (int n = 0; n < D / 8; ++n) {
+            o[4 * n + 2 * r] *= a_r;
+            o[4 * n + 2 * r + 1] *= a_r;
+          }
+          m[r] = ref;
+          run_max[r] = new_max;
+        }
+      }
+    }
     if (!STATS && a.p_tma) {  // the P tile's last TMA store has read shared memory before it is rewritten
       if (p_leader) bulk_wait_read<0>();
       named_barrier(p_bar, 128);
@@ -494,6 +537,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             // not a product with 0); inv_l is 0 for a fully masked row. And u (m − x) for the
             // entropy: 0 where u = 0 (hidden keys: x = -inf).
             const float p0 = row_ok[r] ? u0 * inv_l[r] : 0.0f, p1 = row_ok[r] ? u1 * inv_l[r] : 0.0f;
+            if (one_pass) l[r] += u0 + u1;
             col[2 * n] = r ? col[2 * n] + p0 : p0;
             col[2 * n + 1] = r ? col[2 * n + 1] + p1 : p1;
             if (st.ent.data != nullptr) {
@@ -537,6 +581,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (lane == 0) mbar_arrive(&v_empty[v_stage]);
   }
   if (!STATS && a.p_tma && p_leader) bulk_wait_read<0>();  // shared memory outlives the last store's reads
+  if (one_pass) finish_rows();
 
   // O = (u V) / l, two columns a store.
   T* O = reinterpret_cast<T*>(p.out.data) + lead_off(p, p.out, lead);
