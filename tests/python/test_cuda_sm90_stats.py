@@ -133,6 +133,23 @@ def test_one_pass_nan_and_fully_masked_rows(dtype):
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("mask_dtype", ["float32", "same"])
+def test_one_pass_entropy_after_a_left_padding_at_finfo_min(dtype, mask_dtype):
+    """Hugging Face's padding: the first 200 keys of batch 0 held at finfo.min, so its rows' first
+    128-key tile is wholly masked and the max then jumps by about FLT_MAX. The one-pass rescale
+    of the entropy's sum must not make 0 · inf (review, session 18)."""
+    q, k, v, _, kw = inputs("float32_mask", dtype)
+    mdt = torch.float32 if mask_dtype == "float32" else dtype
+    mask = torch.zeros(q.shape[0], 1, q.shape[-2], k.shape[-2], dtype=mdt, device="cuda")
+    mask[0, ..., :200] = torch.finfo(mdt).min
+    (_, st), names = cuda_kernels(lambda: attention_stats(q, k, v, mask, row_entropy=True, method="fused", **kw))
+    assert any("forward_sm90" in n for n in names), names
+    _, want_ent = ref_stats(q, k, v, mask, kw)
+    assert not torch.isnan(st["row_entropy"]).any()
+    torch.testing.assert_close(st["row_entropy"].double(), want_ent, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
 def test_rows_window_of_a_causal_problem_is_P_there_hidden_keys_included(dtype):
     """Rows every 37th from 5 on a causal L < S problem: the keys right of a CTA's last tile are
     written as zeros by the kernel's tail, as the forward's P has them."""

@@ -92,9 +92,10 @@ SDPA_MATH_D float row_max(const float (&s)[N], int r) {
   for (int i = 0; i < 4; ++i) v[i] = max_nan(v[i], v[i + 4]);
   return max_nan(max_nan(v[0], v[2]), max_nan(v[1], v[3]));
 }
-// exp(logit - m) for a logit x: base-2 logits (unmasked) take 2^(x·mul − m) in one multiply-add,
-// where mul folds in the scale for raw scores; natural ones (masked) take 2^((x − m)·log2 e), the
-// difference first, since x and m near a float mask's finfo.min would overflow fp32 times log2 e.
+// exp(logit - m) for a logit x: base-2 logits (unmasked, bool mask) take 2^(x·mul − m) in one
+// multiply-add, where mul folds in the scale for raw scores; natural ones (float masks) take
+// 2^((x − m)·log2 e), the difference first, since x and m near a float mask's finfo.min would
+// overflow fp32 times log2 e.
 template <bool NATURAL>
 SDPA_MATH_D float exp_from(float x, float mul, float m) {
   if constexpr (NATURAL) return fast_exp2((x - m) * 1.4426950408889634f);
@@ -162,7 +163,8 @@ struct MaskPair {
 };
 
 // MASK = None: scores in base-2 units (x = s * scale * log2 e; one multiply-add and one ex2 per
-// element), causal and the key tail by index, only on the tiles that need it. With a mask:
+// element), causal and the key tail by index, only on the tiles that need it; a bool mask adds
+// 0 or -inf in the same units. With a float mask:
 // natural units (x = s * scale + mask), so a row held at a float mask's finfo.min still has
 // finite logits (their base-2 form would overflow fp32) and gives the math op's uniform row;
 // exponents are taken of differences, (x - m) * log2 e.
@@ -477,13 +479,15 @@ __global__ void __launch_bounds__(kThreads, 1)
         // The tile's max; l, h (Σ u (m − x)) and O move from the old reference to the new:
         // times a = exp(m_old − m_new), and h also gains (m_new − m_old) l_old. A row that had
         // seen no visible key has l = h = O = 0 (a = 0: exp of an old reference of 0 against a
-        // very negative new max would overflow).
+        // very negative new max would overflow). Where a underflows to 0, h is 0 too, not
+        // 0 · (m_new − m_old) l: after a tile held at a float mask's finfo.min, m_new − m_old is
+        // near FLT_MAX and times l it is inf (review, session 18).
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const float new_max = max_nan(run_max[r], quad_max_nan(row_max(s, r)) * mul);
           const float ref = new_max == kNegInf ? 0.0f : new_max;
           const float a_r = run_max[r] == kNegInf ? 0.0f : exp_from<kNatural>(m[r], 1.0f, ref);
-          h[r] = a_r * fmaf(ref - m[r], l[r], h[r]);
+          h[r] = a_r == 0.0f ? 0.0f : fmaf(a_r * l[r], ref - m[r], a_r * h[r]);  // NaN a: NaN
           l[r] *= a_r;
 #pragma unroll
           for (int n = 0; n < D / 8; ++n) {
