@@ -44,6 +44,26 @@ def _rows_of(t: torch.Tensor | None, i0: int, i1: int) -> torch.Tensor | None:
     return t[..., i0:i1, :]
 
 
+def _log_probs_fp32(q_c, k, m_c, scale, enable_gqa):
+    """log P of a chunk's rows from fp32 logits, for kl_to on fp16/bf16 inputs: x = scale · q kᵀ,
+    plus a float mask or -inf where a bool mask hides a key, and log P = x − logsumexp(x). The
+    log of the returned P would be -inf wherever P underflows in the inputs' dtype (below ~6e-8
+    in fp16), where the true value is finite. A row with no visible key gives -inf throughout
+    (its P is 0) and no NaN in the gradient."""
+    qf, kf = q_c.float(), k.float()
+    if enable_gqa and kf.dim() >= 3 and qf.dim() >= 3 and qf.shape[-3] != kf.shape[-3]:
+        kf = kf.repeat_interleave(qf.shape[-3] // kf.shape[-3], dim=-3)
+    E = qf.shape[-1]
+    x = qf @ kf.transpose(-2, -1)
+    if E > 0:  # E = 0: every logit is 0 (a uniform row, as the operator gives)
+        x = x * (1.0 / math.sqrt(E) if scale is None else scale)
+    if m_c is not None:
+        x = x.masked_fill(~m_c, float("-inf")) if m_c.dtype == torch.bool else x + m_c.float()
+    dead = torch.isneginf(x).all(-1, keepdim=True)
+    logp = torch.log_softmax(torch.where(dead, torch.zeros_like(x), x), -1)
+    return torch.where(dead, torch.full_like(logp, float("-inf")), logp)
+
+
 def _window(rows: slice, L: int) -> tuple[int, int, int]:
     if not isinstance(rows, slice):
         raise TypeError(f"attention_stats: rows must be a slice of query rows (e.g. slice(-w, None)), got {type(rows).__name__}")
@@ -190,7 +210,11 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 res.append(-(pf * torch.log(torch.where(pf > 0, pf, torch.ones_like(pf)))).sum(-1))
             if kl_to is not None:
                 r = ref_c.to(stat_dtype)
-                logp = torch.log(torch.where(r > 0, pf, torch.ones_like(pf)))
+                if p_c.dtype in (torch.float16, torch.bfloat16):  # log P from fp32 logits, not from P
+                    logp_all = _log_probs_fp32(q_c, k, m_c, scale, enable_gqa)
+                    logp = torch.where(r > 0, logp_all, torch.zeros_like(logp_all))
+                else:
+                    logp = torch.log(torch.where(r > 0, pf, torch.ones_like(pf)))
                 res.append((torch.xlogy(r, r) - r * logp).sum(-1))
             if head_mean:
                 res.append(pf.mean(-3))

@@ -209,6 +209,68 @@ def test_kl_to_gradient_reaches_the_reference():
     torch.testing.assert_close(got, want)
 
 
+def test_kl_to_in_fp16_stays_finite_where_P_underflows():
+    """Peaky fp16 attention: many P underflow to 0 in fp16 under a uniform teacher. log P comes
+    from fp32 logits, so the KL and its gradients stay finite and near float64's (taking it from
+    the fp16 P gave an infinite KL and NaN gradients, session 18)."""
+    torch.manual_seed(0)
+    q = (torch.randn(1, 2, 64, 32) * 3).half().requires_grad_()
+    k = (torch.randn(1, 2, 80, 32) * 3).half().requires_grad_()
+    v = torch.randn(1, 2, 80, 32).half()
+    R = torch.full((1, 2, 64, 80), 1 / 80.0).half()  # a uniform teacher: every key has weight
+    _, st = attention_stats(q, k, v, kl_to=R)
+    st["kl_to"].sum().backward()
+    q64, k64 = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
+    _, st64 = attention_stats(q64, k64, v.double(), kl_to=R.double())
+    st64["kl_to"].sum().backward()
+    assert torch.isfinite(st["kl_to"]).all() and torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
+    torch.testing.assert_close(st["kl_to"].double(), st64["kl_to"], rtol=1e-2, atol=1e-3)
+    torch.testing.assert_close(q.grad.double(), q64.grad, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", ["bool_rows_dead", "float_mask", "causal_gqa"])
+def test_kl_to_of_half_inputs_matches_float64(case, dtype):
+    """kl_to on fp16/bf16 inputs (log P from fp32 logits) against float64 on the same rounded
+    inputs: the KL, and the gradients to q, k and a float mask, with a fully masked row whose
+    reference is 0 (KL 0, no NaN anywhere in the gradients)."""
+    gen = torch.Generator().manual_seed(3)
+    B, H, Hkv, L, S, E = 2, 4, 4, 12, 20, 16
+    kw = {}
+    mask = None
+    if case == "causal_gqa":
+        Hkv, kw = 2, dict(is_causal=True, enable_gqa=True)
+    q = torch.randn(B, H, L, E, generator=gen).to(dtype)
+    k = torch.randn(B, Hkv, S, E, generator=gen).to(dtype)
+    v = torch.randn(B, Hkv, S, E, generator=gen).to(dtype)
+    R = torch.softmax(torch.randn(B, H, L, S, generator=gen), -1)
+    if case == "bool_rows_dead":
+        mask = torch.rand(B, 1, L, S, generator=gen) < 0.7
+        mask[..., 5, :] = False
+        R = torch.where(mask, R, 0.0)
+        R = R / R.sum(-1, keepdim=True).clamp(min=1e-30)  # row 5: all 0
+    elif case == "float_mask":
+        mask = (torch.randn(B, 1, L, S, generator=gen) * 2).to(dtype).requires_grad_(True)
+    elif case == "causal_gqa":
+        R = torch.where(torch.ones(L, S, dtype=torch.bool).tril(), R, 0.0)
+    R = R.to(dtype)
+    leaves = [t.detach().requires_grad_(True) for t in (q, k)]
+    m = mask.detach().requires_grad_(True) if mask is not None and mask.dtype != torch.bool else mask
+    _, st = attention_stats(leaves[0], leaves[1], v, m, kl_to=R, chunk_rows=5, **kw)
+    got = torch.autograd.grad(st["kl_to"].sum(), leaves + ([m] if m is not None and m.requires_grad else []))
+    leaves64 = [t.detach().double().requires_grad_(True) for t in (q, k)]
+    m64 = None if mask is None else (mask if mask.dtype == torch.bool else mask.detach().double().requires_grad_(True))
+    _, st64 = attention_stats(leaves64[0], leaves64[1], v.double(), m64, kl_to=R.double(), chunk_rows=5, **kw)
+    want = torch.autograd.grad(st64["kl_to"].sum(), leaves64 + ([m64] if m64 is not None and m64.requires_grad else []))
+    assert torch.isfinite(st["kl_to"]).all() and all(torch.isfinite(g).all() for g in got)
+    torch.testing.assert_close(st["kl_to"].double(), st64["kl_to"], rtol=1e-4, atol=1e-4)
+    rtol, atol = (1e-3, 1e-4) if dtype == torch.float16 else (1e-2, 1e-3)  # the gradients' own rounding
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.double(), w, rtol=rtol, atol=atol)
+    if case == "bool_rows_dead":
+        assert (st["kl_to"][..., 5] == 0).all()
+
+
 def test_dropout_is_refused():
     q, k, v, _, kw, _ = make("nomask")
     with pytest.raises(ValueError, match="dropout is not supported"):
