@@ -171,14 +171,10 @@ __global__ void __launch_bounds__(kThreads) forward_tc(DevProblem p, ForwardFlag
   float inv_l[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const float total = quad_sum(l[r]);
-    const bool nan = total != total;
-    inv_l[r] = total > 0.0f ? 1.0f / total : nan ? total : 0.0f;
-    const float lse = total > 0.0f ? (GENERAL ? m[r] + logf(total) : (m[r] + log2f(total)) / kLog2e)
-                      : nan       ? total
-                                  : kNegInf;
-    if (!(total > 0.0f) && !nan) m[r] = 0.0f;  // fully masked row: every exp below is of -inf, so P = 0
-    if (t == 0) nan_row[warp * 16 + g + 8 * r] = nan;
+    const RowEnd e = end_of_row<GENERAL>(l[r], m[r]);
+    inv_l[r] = e.inv_l;
+    const float lse = e.lse;
+    if (t == 0) nan_row[warp * 16 + g + 8 * r] = e.nan;
     if (t == 0 && row[r] < p.L)
       store_elem<float>(p.lse.dtype, p.lse.data, lead_off(p, p.lse, lead) + row[r] * p.lse.row, lse);
   }

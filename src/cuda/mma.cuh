@@ -81,6 +81,24 @@ SDPA_MATH_D float quad_max_nan(float x) {
   x = max_nan(x, __shfl_xor_sync(0xffffffffu, x, 1));
   return max_nan(x, __shfl_xor_sync(0xffffffffu, x, 2));
 }
+// A row at the end of the tensor-core forwards' first pass, from its quad's partial sums `l` of
+// exp(x - m) and its max `m` (logits in natural units, or base 2): 1/l (0 for a fully masked row,
+// NaN for a NaN row), the lse in natural units (-inf fully masked, NaN for a NaN row), and whether
+// the row is NaN. A fully masked row's m becomes 0, so that every exponent after is of -inf (P = 0).
+struct RowEnd {
+  float inv_l, lse;
+  bool nan;
+};
+template <bool NATURAL>
+SDPA_MATH_D RowEnd end_of_row(float l, float& m) {
+  const float total = quad_sum(l);
+  const bool nan = total != total;
+  const float lse = total > 0.0f ? (NATURAL ? m + logf(total) : (m + log2f(total)) / 1.4426950408889634f)
+                    : nan        ? total
+                                 : -INFINITY;
+  if (!(total > 0.0f) && !nan) m = 0.0f;
+  return {total > 0.0f ? 1.0f / total : nan ? total : 0.0f, lse, nan};
+}
 // 2^x on the special-function unit (relative error ~2^-22; 2^-inf = 0).
 SDPA_MATH_D float fast_exp2(float x) {
   float y;

@@ -183,7 +183,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   // finfo.min would overflow fp32 in base 2. A bool mask adds 0 or -inf, which base 2 takes as is.
   constexpr bool kNatural = MASK == MaskKind::Same || MASK == MaskKind::Float32;
   constexpr float kNegInf = -INFINITY;
-  constexpr float kLog2e = 1.4426950408889634f;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* base = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   T* sQ = reinterpret_cast<T*>(base);
@@ -426,15 +425,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto finish_rows = [&] {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const float total = quad_sum(l[r]);
-      const bool nan = total != total;
-      inv_l[r] = total > 0.0f ? 1.0f / total : nan ? total : 0.0f;
-      const float lse = total > 0.0f ? (kNatural ? m[r] + logf(total) : (m[r] + log2f(total)) / kLog2e)
-                        : nan     ? total
-                                  : kNegInf;
-      if (!(total > 0.0f) && !nan) m[r] = 0.0f;  // every exp below is of -inf: P = 0
-      if (t == 0 && row_ok[r]) reinterpret_cast<float*>(p.lse.data)[lead_off(p, p.lse, lead) + row[r] * p.lse.row] = lse;
-      if (t == 0) row_is_nan[cw * 64 + warp * 16 + g + 8 * r] = nan;
+      const RowEnd e = end_of_row<kNatural>(l[r], m[r]);
+      inv_l[r] = e.inv_l;
+      if (t == 0 && row_ok[r]) reinterpret_cast<float*>(p.lse.data)[lead_off(p, p.lse, lead) + row[r] * p.lse.row] = e.lse;
+      if (t == 0) row_is_nan[cw * 64 + warp * 16 + g + 8 * r] = e.nan;
     }
   };
   if (!one_pass) finish_rows();
