@@ -11,6 +11,8 @@ each chunk's P to the statistics asked for, and drops it. With gradients, each c
 torch.utils.checkpoint (use_reentrant=False), so the graph keeps the chunk's inputs (views of
 the caller's tensors and two integers) instead of its P, and backward recomputes one chunk's P
 at a time: peak memory is O(chunk_rows * S) per head, and nothing P-sized outlives the forward.
+kl_to alone with a gradient has its own autograd function per chunk (_KLChunk), which also keeps
+the chunk's O and lse and forms the KL's gradient to the logits directly.
 
 Exact definitions, dtypes and the GQA and visible-queries rules: docs/statistics.md.
 """
@@ -44,24 +46,207 @@ def _rows_of(t: torch.Tensor | None, i0: int, i1: int) -> torch.Tensor | None:
     return t[..., i0:i1, :]
 
 
-def _log_probs_fp32(q_c, k, m_c, scale, enable_gqa):
-    """log P of a chunk's rows from fp32 logits, for kl_to on fp16/bf16 inputs: x = scale · q kᵀ,
-    plus a float mask or -inf where a bool mask hides a key, and log P = x − logsumexp(x). The
-    log of the returned P would be -inf wherever P underflows in the inputs' dtype (below ~6e-8
-    in fp16), where the true value is finite. A row with no visible key gives -inf throughout
-    (its P is 0) and no NaN in the gradient."""
-    qf, kf = q_c.float(), k.float()
-    if enable_gqa and kf.dim() >= 3 and qf.dim() >= 3 and qf.shape[-3] != kf.shape[-3]:
-        kf = kf.repeat_interleave(qf.shape[-3] // kf.shape[-3], dim=-3)
-    E = qf.shape[-1]
-    x = qf @ kf.transpose(-2, -1)
-    if E > 0:  # E = 0: every logit is 0 (a uniform row, as the operator gives)
-        x = x * (1.0 / math.sqrt(E) if scale is None else scale)
+def _logits_fp32(q_c, k, m_c, scale, enable_gqa):
+    """The chunk's logits in fp32, x = scale · q kᵀ + mask (-inf where a bool mask hides a key),
+    from fp16/bf16 (or fp32) q and k. On CUDA a half-precision product accumulates and returns
+    fp32 on the tensor cores (bmm's out_dtype); elsewhere the operands are widened first. Either
+    way each product of two rounded inputs is exact in fp32."""
+    E = q_c.shape[-1]
+    kk = k
+    if enable_gqa and k.dim() >= 3 and q_c.dim() >= 3 and q_c.shape[-3] != k.shape[-3]:
+        kk = k.repeat_interleave(q_c.shape[-3] // k.shape[-3], dim=-3)
+    if q_c.is_cuda and q_c.dtype in (torch.float16, torch.bfloat16):
+        batch = torch.broadcast_shapes(q_c.shape[:-2], kk.shape[:-2])
+        qb = q_c.expand(batch + q_c.shape[-2:]).reshape((-1,) + q_c.shape[-2:])
+        kb = kk.expand(batch + kk.shape[-2:]).reshape((-1,) + kk.shape[-2:])
+        x = torch.bmm(qb, kb.transpose(-2, -1), out_dtype=torch.float32).view(batch + (q_c.shape[-2], k.shape[-2]))
+    else:
+        x = q_c.float() @ kk.float().transpose(-2, -1)
+    s = 1.0 / math.sqrt(E) if scale is None and E > 0 else scale  # E = 0: every logit is 0, as the operator gives
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q_c, k, m_c)):
+        if E > 0:
+            x = x * s
+        if m_c is not None:
+            x = x.masked_fill(~m_c, float("-inf")) if m_c.dtype == torch.bool else x + m_c.float()
+        return x
+    if E > 0:  # no graph: the product's fresh buffer is updated in place
+        x.mul_(s)
     if m_c is not None:
-        x = x.masked_fill(~m_c, float("-inf")) if m_c.dtype == torch.bool else x + m_c.float()
+        x.masked_fill_(~m_c, float("-inf")) if m_c.dtype == torch.bool else x.add_(m_c)
+    return x
+
+
+def _log_probs_fp32(q_c, k, m_c, scale, enable_gqa):
+    """log P of a chunk's rows from fp32 logits, differentiable, for kl_to on fp16/bf16 inputs
+    under autograd: log P = x − logsumexp(x) with x from _logits_fp32. The log of the returned P
+    would be -inf wherever P underflows in the inputs' dtype (below ~6e-8 in fp16), where the
+    true value is finite. A row with no visible key gives -inf throughout (its P is 0) and no NaN
+    in the gradient."""
+    x = _logits_fp32(q_c, k, m_c, scale, enable_gqa)
     dead = torch.isneginf(x).all(-1, keepdim=True)
     logp = torch.log_softmax(torch.where(dead, torch.zeros_like(x), x), -1)
     return torch.where(dead, torch.full_like(logp, float("-inf")), logp)
+
+
+def _shifted_logits_fp32(q_c, k, m_c, scale, enable_gqa):
+    """Without a graph: the fp32 logits less their row max, x − max, in a fresh buffer the caller
+    may overwrite (a row with no visible key stays -inf). Taking the max out first keeps
+    log P = x − lse exact where every logit of a row sits near a float mask's finfo.min (a padding
+    row): there lse = max + log S would round back to the max and lose the log S."""
+    x = _logits_fp32(q_c, k, m_c, scale, enable_gqa)
+    top = x.amax(-1, keepdim=True)
+    return x.sub_(top.masked_fill_(torch.isneginf(top), 0.0))
+
+
+def _probs_fp32(q_c, k, m_c, scale, enable_gqa):
+    """Without a graph: P in fp32 from the fp32 logits, 0 on a row with no visible key."""
+    e = _shifted_logits_fp32(q_c, k, m_c, scale, enable_gqa).exp_()
+    total = e.sum(-1, keepdim=True)
+    return e.div_(total.masked_fill_(total == 0, 1.0))
+
+
+def _kl_rows_autograd(r, p, logp_fp32):
+    """Σ_j r log(r / P) per row, differentiable (the checkpointed chunks): log P from logp_fp32
+    when given (fp16/bf16 inputs), else from P; terms with r = 0 are 0."""
+    if logp_fp32 is not None:
+        logp = torch.where(r > 0, logp_fp32, torch.zeros_like(logp_fp32))
+    else:
+        logp = torch.log(torch.where(r > 0, p.to(r.dtype), torch.ones_like(r)))
+    return (torch.xlogy(r, r) - r * logp).sum(-1)
+
+
+def _kl_rows(r, p):
+    """Without a graph, float32/float64 P: Σ_j r log(r / P) per row; terms with r = 0 are 0, +inf
+    where r > 0 and P = 0. r / P has 0/0 (r = 0 on a hidden key) made 0 and is floored at the
+    smallest normal number, so a term with r = 0 is 0 · log(tiny) = 0 and r > 0 over P = 0 stays
+    +inf; a term whose true ratio is below the floor (r < tiny · P) is off by at most r · 88
+    (float32). One temporary, updated in place: on the CPU a fresh L×S temporary per step cost as
+    much as the arithmetic (this form took 0.21 ms where xlogy, where and log took 0.81, on
+    4 × 256 × 256 fp32)."""
+    t = r / p.to(r.dtype)
+    t.nan_to_num_(nan=0.0, posinf=float("inf")).clamp_min_(torch.finfo(r.dtype).tiny)
+    return t.log_().mul_(r).sum(-1)
+
+
+def _kl_rows_from_logits(r, x):
+    """Without a graph, fp16/bf16 inputs: Σ_j r log(r / P) per row with log P = x − lse from the
+    fp32 logits x, shifted by their row max (_shifted_logits_fp32, so that the terms below stay
+    small), as Σ r log r − Σ r x + R lse (R = Σ_j r), never forming log P: x is overwritten.
+    Same rules as _kl_rows: r = 0 terms are 0; a hidden key (x = -inf) under r > 0 gives +inf,
+    also on a row with no visible key."""
+    R = r.sum(-1, dtype=torch.float32)
+    lse = torch.logsumexp(x, -1)
+    # r x with 0 · (-inf) = NaN made 0 (r = 0 on a hidden key); r > 0 there keeps -inf
+    rx = x.mul_(r).nan_to_num_(nan=0.0, posinf=float("inf"), neginf=float("-inf")).sum(-1)
+    rlogr = r.to(torch.float32, copy=True)  # a copy even when r is fp32: entr overwrites it
+    rlogr = -torch.special.entr(rlogr, out=rlogr).sum(-1)
+    kl = rlogr - rx + torch.where(R > 0, R * lse, 0.0)
+    return torch.where(torch.isneginf(lse) & (R > 0), float("inf"), kl)
+
+
+def _causal_rows(i0, i1, S, device):
+    """Top-left causal visibility of rows i0..i1: row i sees keys j <= i."""
+    return torch.arange(i0, i1, device=device)[:, None] >= torch.arange(S, device=device)[None, :]
+
+
+class _KLChunk(torch.autograd.Function):
+    """One chunk of query rows of kl_to when gradients are wanted: returns (O, KL) of the rows.
+
+    The forward runs the operator once without a graph and keeps the chunk's inputs (views), its
+    O and lse, never P. The backward recomputes P once and forms the KL's gradient to the logits
+    directly, dS = g (Σ_j r · P − r) (g the KL's incoming gradient, r the reference's row), so
+    dQ = scale dS K, dK = scale dSᵀ Q and a float mask's gradient is dS summed to its shape; O's
+    gradient, when the caller uses O, goes through the operator's own backward. Autograd through a
+    checkpointed chunk instead ran the KL's elementwise chain twice and then its backward (0.67–0.79x
+    the math op's speed on the CPU, session 18). For fp16/bf16 inputs both passes take log P and P
+    from fp32 logits (_shifted_logits_fp32), so neither underflows with the inputs' dtype."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, m, ref, causal_rows, scale, enable_gqa, stat_dtype):
+        if causal_rows is not None:
+            m = _causal_rows(*causal_rows, k.shape[-2], q.device)
+        o, p, lse = ops.forward(q, k, v, m, 0.0, False, None, scale, enable_gqa, None)
+        if p.dtype in (torch.float16, torch.bfloat16):
+            kl = _kl_rows_from_logits(ref, _shifted_logits_fp32(q, k, m, scale, enable_gqa))
+        else:
+            kl = _kl_rows(ref.to(stat_dtype), p)
+        ctx.save_for_backward(q, k, v, None if causal_rows is not None else m, ref, o, lse)
+        ctx.meta = (causal_rows, scale, enable_gqa, stat_dtype)
+        ctx.set_materialize_grads(False)
+        return o, kl
+
+    @staticmethod
+    def backward(ctx, d_o, g):
+        q, k, v, m, ref, o, lse = ctx.saved_tensors
+        causal_rows, scale, enable_gqa, stat_dtype = ctx.meta
+        if causal_rows is not None:
+            m = _causal_rows(*causal_rows, k.shape[-2], q.device)
+        want_q, want_k, want_v, want_m, want_r = ctx.needs_input_grad[:5]
+        want_m = want_m and m is not None and m.is_floating_point()
+        half = q.dtype in (torch.float16, torch.bfloat16)
+        grads = [None] * 5  # q, k, v, mask, reference
+        p = logp = None
+        if d_o is not None or not half:
+            _, p, _ = ops.forward(q, k, v, m, 0.0, False, None, scale, enable_gqa, None)
+        if d_o is not None:  # O's own gradient: the operator's backward from the recomputed P
+            dq, dk, dv, dm = ops.backward(d_o, None, q, k, v, m, lse, o, p, 0.0, False, None, scale, enable_gqa, None,
+                                          [want_q, want_k, want_v, want_m])
+            grads[:4] = [t if want else None for t, want in zip((dq, dk, dv, dm), (want_q, want_k, want_v, want_m))]
+        if g is not None and (want_q or want_k or want_m or want_r):
+            r = ref.to(stat_dtype)
+            if half:  # P in fp32 from fp32 logits, not the rounded P
+                pf = _probs_fp32(q, k, m, scale, enable_gqa)
+                logp = torch.log(pf) if want_r else None
+            else:
+                pf = p.to(stat_dtype)
+            gs = g.to(stat_dtype).unsqueeze(-1)
+            # dS = g (R P - r): the softmax's backward of dKL/dP = -r/P, with no division by P.
+            ds = (r * -gs).addcmul_(pf, gs * r.sum(-1, keepdim=True))
+            if want_q or want_k:
+                dq, dk = _logit_product_grads(ds, q, k, scale, enable_gqa)
+                grads[0] = _add(grads[0], dq) if want_q else grads[0]
+                grads[1] = _add(grads[1], dk) if want_k else grads[1]
+            if want_m:
+                grads[3] = _add(grads[3], ds.sum_to_size(m.shape).to(m.dtype))
+            if want_r:  # d/dr of r log r - r log P: log r + 1 - log P where r > 0, else 0
+                if logp is None:
+                    logp = torch.log(torch.where(r > 0, pf, torch.ones_like(pf)))
+                dr = torch.where(r > 0, gs * (torch.log(torch.where(r > 0, r, torch.ones_like(r))) + 1 - logp),
+                                 torch.zeros_like(r))
+                grads[4] = dr.sum_to_size(ref.shape).to(ref.dtype)
+        if want_v and grads[2] is None:  # V reaches the KL through nothing: zeros, as the operator's
+            grads[2] = v.new_zeros(()).expand_as(v)  # backward gives, without writing a V-sized buffer
+        return (*grads, None, None, None, None)
+
+
+def _add(a, b):
+    return b if a is None else a + b
+
+
+def _logit_product_grads(ds, q, k, scale, enable_gqa):
+    """dQ = scale dS K and dK = scale dSᵀ Q (summed over a GQA group and over broadcast dims), from
+    dS in the statistics dtype. Half-precision inputs multiply in their own dtype (dS rounded to
+    it, as the math op's backward rounds its dS) where that is fast: fp16 and bf16 on CUDA, bf16
+    on the CPU (4.7x fp32's speed with avx512_bf16 on the 2-core machine); fp16 on the CPU has no
+    fast product (50x slower than fp32 there) and multiplies in fp32."""
+    fast_half = q.dtype == torch.bfloat16 or (q.dtype == torch.float16 and q.is_cuda)
+    dtype = q.dtype if fast_half else ds.dtype
+    ds = ds.to(dtype)
+    qq, kk = q.to(dtype), k.to(dtype)
+    s = 1.0 if q.shape[-1] == 0 else (1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    qq = qq * s  # the scale on the smallest operands (Q's rows, then dQ in place), not on dS or dK:
+    # a decode chunk's dK (S × E per head) is far larger than its dS (one row), and a fresh
+    # temporary of dK's size cost as much as its product on the CPU
+    if enable_gqa and k.dim() >= 3 and q.dim() >= 3 and q.shape[-3] != k.shape[-3]:
+        hkv = k.shape[-3]
+        g = q.shape[-3] // hkv
+        ds5 = ds.unflatten(-3, (hkv, g))
+        dq = (ds5 @ kk.unsqueeze(-3)).flatten(-4, -3)
+        dk = (ds5.transpose(-2, -1) @ qq.unflatten(-3, (hkv, g))).sum(-3)
+    else:
+        dq = ds @ kk
+        dk = ds.transpose(-2, -1) @ qq
+    return dq.mul_(s).sum_to_size(q.shape).to(q.dtype), dk.sum_to_size(k.shape).to(k.dtype)
 
 
 def _window(rows: slice, L: int) -> tuple[int, int, int]:
@@ -169,6 +354,9 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     tensors = [t for t in (query, key, value, attn_mask, kl_to) if t is not None]
     use_checkpoint = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
+    # kl_to alone with a gradient: its own autograd function per chunk (_KLChunk), not the checkpoint.
+    kl_alone = (use_checkpoint and kl_to is not None and col_sum is None and not row_entropy and not head_mean
+                and win is None)
     outs, cols, ents, kls, heads, picked = [], [], [], [], [], []
     first, count, step = (win[0], len(range(*win)), win[2]) if win is not None else (0, 0, 1)
     # The CPU operator takes every input; on CUDA, ask whether the Hopper kernel takes these.
@@ -200,7 +388,7 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         def chunk(q_c, k, v, m_c, ref_c, i0=i0, i1=i1, sl=sl):
             # Everything P-sized lives only inside this function (recomputed in backward).
             if is_causal:  # top-left: row i sees keys j <= i; built here so the graph does not keep it
-                m_c = torch.arange(i0, i1, device=q_c.device)[:, None] >= torch.arange(S, device=q_c.device)[None, :]
+                m_c = _causal_rows(i0, i1, S, q_c.device)
             o_c, p_c = attention(q_c, k, v, m_c, 0.0, False, scale=scale, enable_gqa=enable_gqa)
             pf = p_c.to(stat_dtype)
             res = [o_c]
@@ -208,14 +396,15 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 res.append(pf.sum(-2))
             if row_entropy:
                 res.append(-(pf * torch.log(torch.where(pf > 0, pf, torch.ones_like(pf)))).sum(-1))
-            if kl_to is not None:
-                r = ref_c.to(stat_dtype)
-                if p_c.dtype in (torch.float16, torch.bfloat16):  # log P from fp32 logits, not from P
-                    logp_all = _log_probs_fp32(q_c, k, m_c, scale, enable_gqa)
-                    logp = torch.where(r > 0, logp_all, torch.zeros_like(logp_all))
+            if kl_to is not None:  # fp16/bf16: log P from fp32 logits, not from the rounded P
+                half = p_c.dtype in (torch.float16, torch.bfloat16)
+                if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q_c, k, m_c, ref_c)):
+                    res.append(_kl_rows_autograd(ref_c.to(stat_dtype), pf,
+                                                 _log_probs_fp32(q_c, k, m_c, scale, enable_gqa) if half else None))
+                elif half:
+                    res.append(_kl_rows_from_logits(ref_c, _shifted_logits_fp32(q_c, k, m_c, scale, enable_gqa)))
                 else:
-                    logp = torch.log(torch.where(r > 0, pf, torch.ones_like(pf)))
-                res.append((torch.xlogy(r, r) - r * logp).sum(-1))
+                    res.append(_kl_rows(ref_c.to(stat_dtype), pf))
             if head_mean:
                 res.append(pf.mean(-3))
             if sl is not None:
@@ -224,7 +413,12 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
         args = (query[..., i0:i1, :], key, value, None if is_causal else _rows_of(attn_mask, i0, i1),
                 _rows_of(kl_to, i0, i1))
-        res = list(checkpoint(chunk, *args, use_reentrant=False) if use_checkpoint else chunk(*args))
+        if kl_alone:
+            res = list(_KLChunk.apply(*args, (i0, i1) if is_causal else None, scale, enable_gqa, stat_dtype))
+        elif use_checkpoint:
+            res = list(checkpoint(chunk, *args, use_reentrant=False))
+        else:
+            res = list(chunk(*args))
         outs.append(res.pop(0))
         if col_sum is not None:
             cols.append(res.pop(0))

@@ -200,6 +200,26 @@ def test_output_gradient_and_stat_together():
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("name", GRAD_CASES)
+def test_kl_to_and_output_in_one_loss(name):
+    """O and kl_to in one loss, with the reference requiring grad too: kl_to's own autograd function
+    (the KL's logit gradient formed directly, O's through the operator's backward) against autograd
+    through the full P, for every input that has a gradient."""
+    q, k, v, mask, kw, tensors = make(name, requires_grad=True)
+    R = reference_map(q, k, v, mask, kw).requires_grad_(True)
+    g = torch.Generator().manual_seed(5)
+    wo = torch.randn(q.shape[:-1] + (v.shape[-1],), dtype=F64, generator=g)
+    wk = torch.randn(q.shape[:-1], dtype=F64, generator=g)
+    O, P = sdpa_math.attention(q, k, v, mask, **kw)
+    want = torch.autograd.grad((wo * O).sum() + (wk * kl_ref(R, P)).sum(), tensors + [R])
+    out, st = attention_stats(q, k, v, mask, kl_to=R, chunk_rows=3, **kw)
+    torch.testing.assert_close(out, O, rtol=0, atol=1e-14)
+    got = torch.autograd.grad((wo * out).sum() + (wk * st["kl_to"]).sum(), tensors + [R])
+    for a, b in zip(got, want):
+        assert b.abs().max() > 0
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
 def test_kl_to_gradient_reaches_the_reference():
     q, k, v, mask, kw, _ = make("nomask")
     R = reference_map(q, k, v, mask, kw).requires_grad_(True)
@@ -207,6 +227,54 @@ def test_kl_to_gradient_reaches_the_reference():
     want = torch.autograd.grad(kl_ref(R, P).sum(), R)[0]
     got = torch.autograd.grad(attention_stats(q, k, v, kl_to=R, chunk_rows=4, **kw)[1]["kl_to"].sum(), R)[0]
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, F64])
+def test_kl_to_is_inf_where_the_reference_has_mass_on_a_hidden_key(dtype, grad):
+    """KL(R ‖ P) is +inf on a row where R > 0 meets P = 0: a key the mask hides, or a row with no
+    visible key; 0 on a dead row whose R is 0; finite elsewhere, in every dtype's path (the
+    no-graph ones and the autograd function)."""
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=gen).to(dtype) for n in (6, 9, 9))
+    mask = torch.ones(6, 9, dtype=torch.bool)
+    mask[1, 3] = False  # row 1 hides key 3
+    mask[2] = False     # row 2 sees nothing
+    mask[4] = False     # row 4 sees nothing, and R gives it nothing
+    R = torch.softmax(torch.randn(1, 2, 6, 9, generator=gen), -1)
+    R[..., 4, :] = 0
+    R = R.to(dtype)
+    if grad:
+        q.requires_grad_(True)
+    _, st = attention_stats(q, k, v, mask, kl_to=R, chunk_rows=4)
+    kl = st["kl_to"]
+    assert torch.isposinf(kl[..., [1, 2]]).all(), kl
+    assert (kl[..., 4] == 0).all()
+    assert torch.isfinite(kl[..., [0, 3, 5]]).all() and (kl[..., [0, 3, 5]] > 0).all()
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_kl_to_of_half_inputs_on_rows_padded_at_finfo_min(dtype, grad):
+    """A float32 mask at finfo.min, as Hugging Face pads: on a row where every key is at finfo.min
+    P is uniform and log P = −log S. The fp32 logits' lse = max + log S rounds back to the max
+    there, so log P must come from the logits less their max (else KL = Σ R log R, off by log S).
+    Against float64 on the same rounded inputs."""
+    gen = torch.Generator().manual_seed(4)
+    B, H, L, S, E = 1, 2, 8, 24, 16
+    q, k, v = (torch.randn(B, H, n, E, generator=gen).to(dtype) for n in (L, S, S))
+    mask = torch.zeros(B, 1, L, S)
+    mask[..., 3, :] = torch.finfo(torch.float32).min  # a padding row
+    mask[..., 5, :10] = torch.finfo(torch.float32).min  # left padding of 10 keys
+    R = torch.softmax(torch.randn(B, H, L, S, generator=gen), -1)
+    R[..., 5, :10] = 0
+    R = (R / R.sum(-1, keepdim=True)).to(dtype)
+    if grad:
+        q.requires_grad_(True)
+    _, st = attention_stats(q, k, v, mask, kl_to=R, chunk_rows=3)
+    _, st64 = attention_stats(q.detach().double(), k.double(), v.double(), mask.double(), kl_to=R.double(), chunk_rows=3)
+    torch.testing.assert_close(st["kl_to"].double(), st64["kl_to"], rtol=1e-4, atol=1e-4)
+    assert st64["kl_to"][..., 3].min() > 0.1  # the padding row's KL is log S - H(R), not -H(R)
 
 
 def test_kl_to_in_fp16_stays_finite_where_P_underflows():
@@ -226,6 +294,12 @@ def test_kl_to_in_fp16_stays_finite_where_P_underflows():
     assert torch.isfinite(st["kl_to"]).all() and torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
     torch.testing.assert_close(st["kl_to"].double(), st64["kl_to"], rtol=1e-2, atol=1e-3)
     torch.testing.assert_close(q.grad.double(), q64.grad, rtol=2e-2, atol=2e-2)
+
+
+def _log_probs_like_math(P, R):
+    """log P as a user writes the KL on the math op's P: from P itself, 0 where R is 0."""
+    pf = P.float()
+    return torch.log(torch.where(R > 0, pf, torch.ones_like(pf)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -264,11 +338,60 @@ def test_kl_to_of_half_inputs_matches_float64(case, dtype):
     want = torch.autograd.grad(st64["kl_to"].sum(), leaves64 + ([m64] if m64 is not None and m64.requires_grad else []))
     assert torch.isfinite(st["kl_to"]).all() and all(torch.isfinite(g).all() for g in got)
     torch.testing.assert_close(st["kl_to"].double(), st64["kl_to"], rtol=1e-4, atol=1e-4)
-    rtol, atol = (1e-3, 1e-4) if dtype == torch.float16 else (1e-2, 1e-3)  # the gradients' own rounding
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g.double(), w, rtol=rtol, atol=atol)
+    if dtype == torch.float16:  # on the CPU fp16 gradients multiply in fp32
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g.double(), w, rtol=1e-3, atol=1e-4)
+    else:  # bf16 multiplies dS rounded to bf16, as the math op does: about its error
+        def math_op_grads():
+            lv = [t.detach().requires_grad_(True) for t in (q, k)]
+            mm = m.detach().requires_grad_(True) if m is not None and m.requires_grad else m
+            _, P = torch.ops.aten._scaled_dot_product_attention_math(lv[0], lv[1], v, mm, **kw)
+            logp = _log_probs_like_math(P, R)
+            kl = (torch.xlogy(R.float(), R.float()) - R.float() * logp).sum(-1)
+            return torch.autograd.grad(kl.sum(), lv + ([mm] if mm is not None and mm.requires_grad else []))
+
+        for g, n, w in zip(got, math_op_grads(), want):
+            err, err_math = (torch.linalg.norm(t.double() - w) / torch.linalg.norm(w) for t in (g, n))
+            # 1.6: the chunks (3 here) each round their dK to bf16 before autograd adds them, where
+            # the math op rounds once: 0.8-1.5x its error here (dK the worst)
+            assert err <= 1.6 * err_math, (err.item(), err_math.item())
     if case == "bool_rows_dead":
         assert (st["kl_to"][..., 5] == 0).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("case", ["float_mask", "causal_gqa"])
+def test_kl_to_on_cuda_matches_float64(case, dtype):
+    """kl_to with O in the same loss on CUDA (fp32 logits from the tensor cores for fp16/bf16,
+    the operator's forward and backward for O) against float64 on the CPU, same rounded inputs."""
+    gen = torch.Generator().manual_seed(11)
+    B, H, Hkv, L, S, E = 2, 4, 4, 70, 90, 64
+    kw, mask = {}, None
+    if case == "causal_gqa":
+        Hkv, kw = 2, dict(is_causal=True, enable_gqa=True)
+    q, k, v = (torch.randn(B, h, n, E, generator=gen).to(dtype) for h, n in ((H, L), (Hkv, S), (Hkv, S)))
+    R = torch.softmax(torch.randn(B, H, L, S, generator=gen), -1)
+    if case == "float_mask":
+        mask = (torch.randn(B, 1, L, S, generator=gen) * 2).to(dtype)
+    else:
+        R = torch.where(torch.ones(L, S, dtype=torch.bool).tril(), R, 0.0)
+    R = R.to(dtype)
+    wo = torch.randn(B, H, L, E, generator=gen)
+
+    def run(device, dt):
+        leaves = [t.detach().to(device, dt).requires_grad_(True) for t in (q, k, v) + ((mask,) if mask is not None else ())]
+        m = leaves[3] if mask is not None else None
+        out, st = attention_stats(*leaves[:3], m, kl_to=R.to(device, dt), chunk_rows=32, **kw)
+        loss = (wo.to(device, dt) * out).sum() + st["kl_to"].sum()
+        return [st["kl_to"]] + list(torch.autograd.grad(loss, leaves))
+
+    got = run("cuda", dtype)
+    want = run("cpu", torch.float64)
+    tol = {torch.float32: (1e-4, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}[dtype]
+    for name, g, w in zip(["kl", "dq", "dk", "dv", "dmask"], got, want):
+        assert torch.isfinite(g).all(), name
+        torch.testing.assert_close(g.double().cpu(), w, rtol=tol[0], atol=tol[1], msg=name)
 
 
 def test_dropout_is_refused():
@@ -374,6 +497,31 @@ def test_saved_tensors_are_chunk_sized():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         sdpa_math.attention(q, k, v, mask)
     assert max(new.values()) >= 2 * L * S * 8
+
+
+def test_kl_to_with_a_gradient_keeps_O_and_lse_not_P():
+    """kl_to alone with a gradient runs its own autograd function per chunk: besides views of the
+    caller's tensors it saves the chunk's O and lse (O(L) per head, together the size of O and
+    lse), never a chunk of P or a causal mask."""
+    L, S, chunk = 96, 80, 8
+    q, k, v, mask = _memory_inputs(L, S)
+    R = reference_map(q, k, v, mask, {})
+    callers = {t.untyped_storage().data_ptr() for t in (q, k, v, mask, R)}
+    for kw in (dict(attn_mask=mask), dict(is_causal=True)):
+        new = {}
+
+        def pack(t):
+            st = t.untyped_storage()
+            if st.data_ptr() not in callers:
+                new[st.data_ptr()] = st.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out, st = attention_stats(q, k, v, kl_to=R, chunk_rows=chunk, **kw)
+        lse_bytes = out[..., 0].numel() * 8
+        assert 0 < sum(new.values()) <= out.nbytes + lse_bytes < L * S * 8, new  # < one head's P
+        got = torch.autograd.grad(st["kl_to"].sum(), (q, k))
+        assert all(torch.isfinite(g).all() and g.abs().max() > 0 for g in got)
 
 
 def _libc_in_use():
