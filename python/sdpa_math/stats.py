@@ -46,16 +46,21 @@ def _rows_of(t: torch.Tensor | None, i0: int, i1: int) -> torch.Tensor | None:
     return t[..., i0:i1, :]
 
 
+# bmm(..., out_dtype=torch.float32) of fp16/bf16 operands (CUDA only; PyTorch 2.11 has it, older
+# releases may not): without it the operands are widened instead.
+_BMM_HAS_OUT_DTYPE = hasattr(torch.ops.aten.bmm, "dtype")
+
+
 def _logits_fp32(q_c, k, m_c, scale, enable_gqa):
     """The chunk's logits in fp32, x = scale · q kᵀ + mask (-inf where a bool mask hides a key),
     from fp16/bf16 (or fp32) q and k. On CUDA a half-precision product accumulates and returns
-    fp32 on the tensor cores (bmm's out_dtype); elsewhere the operands are widened first. Either
-    way each product of two rounded inputs is exact in fp32."""
+    fp32 on the tensor cores (bmm's out_dtype, where PyTorch has it); elsewhere the operands are
+    widened first. Either way each product of two rounded inputs is exact in fp32."""
     E = q_c.shape[-1]
     kk = k
     if enable_gqa and k.dim() >= 3 and q_c.dim() >= 3 and q_c.shape[-3] != k.shape[-3]:
         kk = k.repeat_interleave(q_c.shape[-3] // k.shape[-3], dim=-3)
-    if q_c.is_cuda and q_c.dtype in (torch.float16, torch.bfloat16):
+    if q_c.is_cuda and q_c.dtype in (torch.float16, torch.bfloat16) and _BMM_HAS_OUT_DTYPE:
         batch = torch.broadcast_shapes(q_c.shape[:-2], kk.shape[:-2])
         qb = q_c.expand(batch + q_c.shape[-2:]).reshape((-1,) + q_c.shape[-2:])
         kb = kk.expand(batch + kk.shape[-2:]).reshape((-1,) + kk.shape[-2:])
