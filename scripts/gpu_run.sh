@@ -2,7 +2,7 @@
 # One call on the GPU machine does the whole job: check the machine, build the package there the
 # way a user does (pip with that machine's own compilers), check the build, run the GPU tests,
 # run a subset under compute-sanitizer, and benchmark. Raw results go under $OUT.
-#   bash scripts/gpu_run.sh [tests] [sanitize] [initcheck-repro] [cpu-only] [bench] [stats] [bench-full] [model] [demo] [profile]
+#   bash scripts/gpu_run.sh [tests] [sanitize] [initcheck-repro] [cpu-only] [bench] [stats] [kl] [bench-full] [model] [demo] [profile]
 # SDPA_MATH_PYTEST_ARGS: what the tests stage runs (default tests/python). SDPA_MATH_GPU_ARCHS: the CUDA architectures to build (default 90a-real: the H200; a user's plain
 # `pip install .` builds the CMake default list). SDPA_MATH_CARRIED=1 uses a build carried from the
 # build machine at python/sdpa_math/_C.so (or the site folder SDPA_MATH_CARRIED_SITE) instead (a
@@ -97,6 +97,15 @@ for stage in $stages; do
       # were narrowed on purpose.
       python3 -m sdpa_math.bench gate "$OUT/stats.json" bench/baselines/h200-stats.json \
         ${SDPA_MATH_BENCH_DTYPES:+--subset} 2>&1 | tail -20 ;;
+    kl)
+      # kl_to on CUDA (issue 16): its tests against float64, and where its forward + backward
+      # spends its time next to flash attention's (tests/gpu/kl_profile.py).
+      log "kl_to: tests on CUDA, profile"
+      python3 -m pytest -q -p no:cacheprovider tests/python/test_stats.py 2>&1 | tee "$OUT/pytest-kl.log" | tail -5
+      for dt in float16 bfloat16; do
+        python3 tests/gpu/kl_profile.py prefill1k_d128 $dt > "$OUT/kl-profile-$dt.txt" 2>&1
+        head -2 "$OUT/kl-profile-$dt.txt"
+      done ;;
     bench-full)
       log "benchmark: anchors and sweep, fp16, bf16, fp32"
       python3 -m sdpa_math.bench run --device cuda --set anchors+sweep --out "$OUT" 2>&1 | tail -50 ;;
