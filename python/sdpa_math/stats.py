@@ -21,10 +21,11 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from ._ops import ops
-from .api import attention
+from .api import attention, attention_with_lse
 
 __all__ = ["attention_stats", "default_chunk_rows", "COL_SUM_MODES", "CHUNK_BYTES"]
 
@@ -53,22 +54,21 @@ _BMM_HAS_OUT_DTYPE = hasattr(torch.ops.aten.bmm, "dtype")
 
 def _logits_fp32(q_c, k, m_c, scale, enable_gqa):
     """The chunk's logits in fp32, x = scale · q kᵀ + mask (-inf where a bool mask hides a key),
-    from fp16/bf16 (or fp32) q and k. On CUDA a half-precision product accumulates and returns
-    fp32 on the tensor cores (bmm's out_dtype, where PyTorch has it); elsewhere the operands are
-    widened first. Either way each product of two rounded inputs is exact in fp32."""
+    from fp16/bf16 (or fp32) q and k. Without a graph, on CUDA, a half-precision product
+    accumulates and returns fp32 on the tensor cores (bmm's out_dtype, where PyTorch has it; that
+    overload has no derivative); elsewhere the operands are widened first. Either way each product
+    of two rounded inputs is exact in fp32."""
     E = q_c.shape[-1]
     kk = k
     if enable_gqa and k.dim() >= 3 and q_c.dim() >= 3 and q_c.shape[-3] != k.shape[-3]:
         kk = k.repeat_interleave(q_c.shape[-3] // k.shape[-3], dim=-3)
-    if q_c.is_cuda and q_c.dtype in (torch.float16, torch.bfloat16) and _BMM_HAS_OUT_DTYPE:
-        batch = torch.broadcast_shapes(q_c.shape[:-2], kk.shape[:-2])
-        qb = q_c.expand(batch + q_c.shape[-2:]).reshape((-1,) + q_c.shape[-2:])
-        kb = kk.expand(batch + kk.shape[-2:]).reshape((-1,) + kk.shape[-2:])
-        x = torch.bmm(qb, kb.transpose(-2, -1), out_dtype=torch.float32).view(batch + (q_c.shape[-2], k.shape[-2]))
+    graph = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q_c, k, m_c))
+    if not graph and q_c.is_cuda and q_c.dtype in (torch.float16, torch.bfloat16) and _BMM_HAS_OUT_DTYPE:
+        x = _bmm_fp32(q_c, kk.transpose(-2, -1))
     else:
         x = q_c.float() @ kk.float().transpose(-2, -1)
     s = 1.0 / math.sqrt(E) if scale is None and E > 0 else scale  # E = 0: every logit is 0, as the operator gives
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q_c, k, m_c)):
+    if graph:
         if E > 0:
             x = x * s
         if m_c is not None:
@@ -77,8 +77,25 @@ def _logits_fp32(q_c, k, m_c, scale, enable_gqa):
     if E > 0:  # no graph: the product's fresh buffer is updated in place
         x.mul_(s)
     if m_c is not None:
+        x = _widened_to(x, m_c.shape)  # a mask with lead dims the logits lack (they came from v)
         x.masked_fill_(~m_c, float("-inf")) if m_c.dtype == torch.bool else x.add_(m_c)
     return x
+
+
+def _bmm_fp32(a, b):
+    """a @ b of half-precision operands with fp32 results (bmm's out_dtype), batch dims broadcast."""
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    n = math.prod(batch)  # not -1: a zero-size batch or matrix has no inferable dim
+    ab = a.expand(batch + a.shape[-2:]).reshape((n,) + a.shape[-2:])
+    bb = b.expand(batch + b.shape[-2:]).reshape((n,) + b.shape[-2:])
+    return torch.bmm(ab, bb, out_dtype=torch.float32).view(batch + (a.shape[-2], b.shape[-1]))
+
+
+def _widened_to(x, shape):
+    """x itself when an in-place op with an operand of `shape` keeps x's shape, else x broadcast
+    to the joint shape in a fresh buffer."""
+    joint = torch.broadcast_shapes(x.shape, shape)
+    return x if joint == x.shape else x.expand(joint).clone()
 
 
 def _log_probs_fp32(q_c, k, m_c, scale, enable_gqa):
@@ -99,15 +116,24 @@ def _shifted_logits_fp32(q_c, k, m_c, scale, enable_gqa):
     log P = x − lse exact where every logit of a row sits near a float mask's finfo.min (a padding
     row): there lse = max + log S would round back to the max and lose the log S."""
     x = _logits_fp32(q_c, k, m_c, scale, enable_gqa)
+    if x.shape[-1] == 0:  # no keys: nothing to shift (and no max to take)
+        return x
     top = x.amax(-1, keepdim=True)
     return x.sub_(top.masked_fill_(torch.isneginf(top), 0.0))
 
 
-def _probs_fp32(q_c, k, m_c, scale, enable_gqa):
-    """Without a graph: P in fp32 from the fp32 logits, 0 on a row with no visible key."""
-    e = _shifted_logits_fp32(q_c, k, m_c, scale, enable_gqa).exp_()
+def _probs_fp32(q_c, k, m_c, scale, enable_gqa, want_log):
+    """Without a graph: P in fp32 from the fp32 logits, 0 on a row with no visible key; with
+    want_log also log P = x − lse from the shifted logits (finite where P underflows in fp32,
+    -inf on a hidden key and on a row with no visible key), else None."""
+    x = _shifted_logits_fp32(q_c, k, m_c, scale, enable_gqa)
+    if want_log:
+        lse = torch.logsumexp(x, -1, keepdim=True)
+        logp = (x - lse).masked_fill_(torch.isneginf(lse), float("-inf"))
+        return torch.exp(logp), logp
+    e = x.exp_()
     total = e.sum(-1, keepdim=True)
-    return e.div_(total.masked_fill_(total == 0, 1.0))
+    return e.div_(total.masked_fill_(total == 0, 1.0)), None
 
 
 def _kl_rows_autograd(r, p, logp_fp32):
@@ -120,17 +146,20 @@ def _kl_rows_autograd(r, p, logp_fp32):
     return (torch.xlogy(r, r) - r * logp).sum(-1)
 
 
-def _kl_rows(r, p):
+def _kl_rows(r, p, lse):
     """Without a graph, float32/float64 P: Σ_j r log(r / P) per row; terms with r = 0 are 0, +inf
-    where r > 0 and P = 0. r / P has 0/0 (r = 0 on a hidden key) made 0 and is floored at the
-    smallest normal number, so a term with r = 0 is 0 · log(tiny) = 0 and r > 0 over P = 0 stays
-    +inf; a term whose true ratio is below the floor (r < tiny · P) is off by at most r · 88
-    (float32). One temporary, updated in place: on the CPU a fresh L×S temporary per step cost as
-    much as the arithmetic (this form took 0.21 ms where xlogy, where and log took 0.81, on
-    4 × 256 × 256 fp32)."""
+    where r > 0 and P = 0, NaN on a NaN row (lse NaN) where r has mass. r / P has 0/0 (r = 0 on a
+    hidden key) made 0 and is floored at the smallest normal number, so a term with r = 0 is
+    0 · log(tiny) = 0 and r > 0 over P = 0 stays +inf; a term whose true ratio is below the floor
+    (r < tiny · P) is off by at most r · 88 (float32). The same NaN-to-0 turns a NaN row into
+    log(tiny) · Σ r, nonzero exactly where r has mass: those rows are set back to NaN from the
+    row's lse, without another L×S pass. One temporary, updated in place: on the CPU a fresh L×S
+    temporary per step cost as much as the arithmetic (this form took 0.21 ms where xlogy, where
+    and log took 0.81, on 4 × 256 × 256 fp32)."""
     t = r / p.to(r.dtype)
     t.nan_to_num_(nan=0.0, posinf=float("inf")).clamp_min_(torch.finfo(r.dtype).tiny)
-    return t.log_().mul_(r).sum(-1)
+    kl = t.log_().mul_(r).sum(-1)
+    return kl.masked_fill_(torch.isnan(lse) & (kl != 0), float("nan"))
 
 
 def _kl_rows_from_logits(r, x):
@@ -139,6 +168,7 @@ def _kl_rows_from_logits(r, x):
     small), as Σ r log r − Σ r x + R lse (R = Σ_j r), never forming log P: x is overwritten.
     Same rules as _kl_rows: r = 0 terms are 0; a hidden key (x = -inf) under r > 0 gives +inf,
     also on a row with no visible key."""
+    x = _widened_to(x, r.shape)  # a reference with lead dims the logits lack
     R = r.sum(-1, dtype=torch.float32)
     lse = torch.logsumexp(x, -1)
     # r x with 0 · (-inf) = NaN made 0 (r = 0 on a hidden key); r > 0 there keeps -inf
@@ -171,16 +201,19 @@ class _KLChunk(torch.autograd.Function):
         if causal_rows is not None:
             m = _causal_rows(*causal_rows, k.shape[-2], q.device)
         o, p, lse = ops.forward(q, k, v, m, 0.0, False, None, scale, enable_gqa, None)
-        if p.dtype in (torch.float16, torch.bfloat16):
-            kl = _kl_rows_from_logits(ref, _shifted_logits_fp32(q, k, m, scale, enable_gqa))
+        if p.dtype in (torch.float16, torch.bfloat16):  # to P's lead shape (q, k and r may lack dims of v's)
+            kl = _kl_rows_from_logits(ref, _shifted_logits_fp32(q, k, m, scale, enable_gqa)).expand(p.shape[:-1])
         else:
-            kl = _kl_rows(ref.to(stat_dtype), p)
+            kl = _kl_rows(ref.to(stat_dtype), p, lse)
+        if not any(ctx.needs_input_grad[:4]):  # only the reference needs a gradient: O has none
+            ctx.mark_non_differentiable(o)
         ctx.save_for_backward(q, k, v, None if causal_rows is not None else m, ref, o, lse)
         ctx.meta = (causal_rows, scale, enable_gqa, stat_dtype)
         ctx.set_materialize_grads(False)
         return o, kl
 
     @staticmethod
+    @once_differentiable  # double backward raises (as the operator's own, contract §11)
     def backward(ctx, d_o, g):
         q, k, v, m, ref, o, lse = ctx.saved_tensors
         causal_rows, scale, enable_gqa, stat_dtype = ctx.meta
@@ -199,9 +232,8 @@ class _KLChunk(torch.autograd.Function):
             grads[:4] = [t if want else None for t, want in zip((dq, dk, dv, dm), (want_q, want_k, want_v, want_m))]
         if g is not None and (want_q or want_k or want_m or want_r):
             r = ref.to(stat_dtype)
-            if half:  # P in fp32 from fp32 logits, not the rounded P
-                pf = _probs_fp32(q, k, m, scale, enable_gqa)
-                logp = torch.log(pf) if want_r else None
+            if half:  # P (and log P) in fp32 from fp32 logits, not the rounded P
+                pf, logp = _probs_fp32(q, k, m, scale, enable_gqa, want_r)
             else:
                 pf = p.to(stat_dtype)
             gs = g.to(stat_dtype).unsqueeze(-1)
@@ -229,29 +261,50 @@ def _add(a, b):
 
 
 def _logit_product_grads(ds, q, k, scale, enable_gqa):
-    """dQ = scale dS K and dK = scale dSᵀ Q (summed over a GQA group and over broadcast dims), from
-    dS in the statistics dtype. Half-precision inputs multiply in their own dtype (dS rounded to
-    it, as the math op's backward rounds its dS) where that is fast: fp16 and bf16 on CUDA, bf16
-    on the CPU (4.7x fp32's speed with avx512_bf16 on the 2-core machine); fp16 on the CPU has no
-    fast product (50x slower than fp32 there) and multiplies in fp32."""
+    """dQ = scale dS K and dK = scale dSᵀ Q, summed over a GQA group (the group's query rows are
+    stacked, so the sum is inside dK's product) and over broadcast dims, from dS in the
+    statistics dtype. Half-precision inputs multiply in their own dtype (dS rounded to it, as the
+    math op's backward rounds its dS) where that is fast: fp16 and bf16 on CUDA (fp32 results
+    where bmm has out_dtype), bf16 on the CPU (4.7x fp32's speed with avx512_bf16 on the 2-core
+    machine). fp16 on the CPU has no fast product (50x slower than fp32 there) and multiplies in
+    fp32. Before rounding to fp16, dS is scaled by a power of two that brings its largest element
+    near 1: dS is about S times smaller than the dQ it sums to, and a small loss (a mean over many
+    rows) put it in fp16's subnormal range (a relative error 4x the fp32 path's, in a CPU
+    emulation)."""
     fast_half = q.dtype == torch.bfloat16 or (q.dtype == torch.float16 and q.is_cuda)
     dtype = q.dtype if fast_half else ds.dtype
-    ds = ds.to(dtype)
-    qq, kk = q.to(dtype), k.to(dtype)
     s = 1.0 if q.shape[-1] == 0 else (1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
-    qq = qq * s  # the scale on the smallest operands (Q's rows, then dQ in place), not on dS or dK:
-    # a decode chunk's dK (S × E per head) is far larger than its dS (one row), and a fresh
-    # temporary of dK's size cost as much as its product on the CPU
-    if enable_gqa and k.dim() >= 3 and q.dim() >= 3 and q.shape[-3] != k.shape[-3]:
+    lead, lc, n_keys = ds.shape[:-2], ds.shape[-2], ds.shape[-1]
+    grouped = enable_gqa and k.dim() >= 3 and q.dim() >= 3 and q.shape[-3] != k.shape[-3]
+    qf = q.expand(lead + q.shape[-2:])
+    if grouped:  # (*b, Hkv·G, Lc, ·) -> (*b, Hkv, G·Lc, ·): a group's rows against its key head
         hkv = k.shape[-3]
         g = q.shape[-3] // hkv
-        ds5 = ds.unflatten(-3, (hkv, g))
-        dq = (ds5 @ kk.unsqueeze(-3)).flatten(-4, -3)
-        dk = (ds5.transpose(-2, -1) @ qq.unflatten(-3, (hkv, g))).sum(-3)
+        ds = ds.reshape(lead[:-1] + (hkv, g * lc, n_keys))
+        qf = qf.reshape(lead[:-1] + (hkv, g * lc, q.shape[-1]))
+        kf = k.expand(lead[:-1] + k.shape[-3:])
     else:
-        dq = ds @ kk
-        dk = ds.transpose(-2, -1) @ qq
-    return dq.mul_(s).sum_to_size(q.shape).to(q.dtype), dk.sum_to_size(k.shape).to(k.dtype)
+        kf = k.expand(lead + k.shape[-2:])
+    factor = None
+    if dtype == torch.float16:  # a power of two: exact, and undone in fp32
+        top = ds.abs().amax()
+        factor = torch.where((top > 0) & torch.isfinite(top), torch.exp2(-torch.floor(torch.log2(top))), 1.0)
+        ds = ds * factor
+    ds = ds.to(dtype)
+    qq, kk = qf.to(dtype), kf.to(dtype)
+    if factor is None and not (fast_half and q.is_cuda):
+        # the scale on Q's rows, then dQ in place: not on dK, which for a decode chunk (S × E a
+        # head) is far larger than dS (one row) — a fresh dK-sized temporary cost as much as its
+        # product on the CPU
+        dq = (ds @ kk).mul_(s)
+        dk = ds.transpose(-2, -1) @ (qq * s)
+    else:
+        mm = _bmm_fp32 if q.is_cuda and _BMM_HAS_OUT_DTYPE else (lambda x, y: (x @ y).float())
+        c = s if factor is None else s / factor
+        dq = mm(ds, kk).mul_(c)
+        dk = mm(ds.transpose(-2, -1), qq).mul_(c)
+    dq = dq.reshape(lead + (lc, q.shape[-1]))
+    return dq.sum_to_size(q.shape).to(q.dtype), dk.sum_to_size(k.shape).to(k.dtype)
 
 
 def _window(rows: slice, L: int) -> tuple[int, int, int]:
@@ -394,7 +447,7 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             # Everything P-sized lives only inside this function (recomputed in backward).
             if is_causal:  # top-left: row i sees keys j <= i; built here so the graph does not keep it
                 m_c = _causal_rows(i0, i1, S, q_c.device)
-            o_c, p_c = attention(q_c, k, v, m_c, 0.0, False, scale=scale, enable_gqa=enable_gqa)
+            o_c, p_c, lse_c = attention_with_lse(q_c, k, v, m_c, 0.0, False, scale=scale, enable_gqa=enable_gqa)
             pf = p_c.to(stat_dtype)
             res = [o_c]
             if col_sum is not None:
@@ -407,9 +460,10 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     res.append(_kl_rows_autograd(ref_c.to(stat_dtype), pf,
                                                  _log_probs_fp32(q_c, k, m_c, scale, enable_gqa) if half else None))
                 elif half:
-                    res.append(_kl_rows_from_logits(ref_c, _shifted_logits_fp32(q_c, k, m_c, scale, enable_gqa)))
+                    res.append(_kl_rows_from_logits(ref_c, _shifted_logits_fp32(q_c, k, m_c, scale, enable_gqa))
+                               .expand(p_c.shape[:-1]))
                 else:
-                    res.append(_kl_rows(ref_c.to(stat_dtype), pf))
+                    res.append(_kl_rows(ref_c.to(stat_dtype), pf, lse_c))
             if head_mean:
                 res.append(pf.mean(-3))
             if sl is not None:

@@ -70,6 +70,9 @@ def entropy_ref(P):
     return -torch.where(P > 0, P * torch.log(torch.where(P > 0, P, 1.0)), 0.0).sum(-1)
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+
+
 def kl_ref(R, P):
     terms = torch.where(R > 0, R * (torch.log(torch.where(R > 0, R, 1.0)) - torch.log(torch.where(R > 0, P, 1.0))), 0.0)
     return terms.sum(-1)
@@ -277,6 +280,78 @@ def test_kl_to_of_half_inputs_on_rows_padded_at_finfo_min(dtype, grad):
     assert st64["kl_to"][..., 3].min() > 0.1  # the padding row's KL is log S - H(R), not -H(R)
 
 
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, F64])
+def test_kl_to_of_a_nan_row_is_nan(dtype, grad):
+    """A NaN in q makes its row of P NaN: its KL is NaN where R has mass and 0 where R's row is 0,
+    as for every other statistic of a NaN row; the other rows are untouched."""
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=gen).to(dtype) for n in (5, 7, 7))
+    q[0, :, 1, 0] = float("nan")
+    q[0, :, 3, 0] = float("nan")
+    R = torch.softmax(torch.randn(1, 2, 5, 7, generator=gen), -1)
+    R[..., 3, :] = 0
+    R = R.to(dtype)
+    if grad:
+        q.requires_grad_(True)
+    kl = attention_stats(q, k, v, kl_to=R, chunk_rows=2)[1]["kl_to"]
+    assert torch.isnan(kl[..., 1]).all() and (kl[..., 3] == 0).all()
+    assert torch.isfinite(kl[..., [0, 2, 4]]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_kl_to_reference_gradient_is_finite_where_P_underflows_in_fp32(dtype):
+    """A logit gap past fp32's exp range (P underflows even in fp32) with mass on those keys: the
+    KL is finite (log P from the logits), and so is its gradient to the reference, as in float64."""
+    q = torch.tensor([[[[12.0]]]]).to(dtype)
+    k = torch.tensor([[[[12.0], [-12.0], [0.0]]]]).to(dtype)
+    v = torch.randn(1, 1, 3, 2).to(dtype)
+    R = torch.tensor([[[[0.5, 0.25, 0.25]]]]).to(dtype).requires_grad_(True)
+    R64 = R.detach().double().requires_grad_(True)
+    kl = attention_stats(q, k, v, kl_to=R, scale=1.0)[1]["kl_to"]
+    kl64 = attention_stats(q.double(), k.double(), v.double(), kl_to=R64, scale=1.0)[1]["kl_to"]
+    got, want = torch.autograd.grad(kl.sum(), R)[0], torch.autograd.grad(kl64.sum(), R64)[0]
+    assert torch.isfinite(kl).all() and torch.isfinite(got).all()
+    torch.testing.assert_close(kl.double(), kl64, rtol=1e-3, atol=0)
+    torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_kl_to_with_lead_dims_only_v_and_the_reference_have(dtype, grad, device):
+    """q and k of shape (H, L, E), v of shape (B, H, S, E): P is (B, H, L, S), and so is a
+    reference of that shape or of shape (L, S); the KL is (B, H, L) either way, as from the full P."""
+    gen = torch.Generator().manual_seed(8)
+    q, k = (torch.randn(2, n, 8, generator=gen).to(dtype) for n in (4, 6))
+    v = torch.randn(3, 2, 6, 8, generator=gen).to(dtype)
+    mask = torch.randn(3, 1, 4, 6, generator=gen).to(dtype)
+    _, P = sdpa_math.attention(q.double(), k.double(), v.double(), mask.double())
+    q = q.to(device).requires_grad_(grad)
+    for R in (torch.softmax(torch.randn(3, 2, 4, 6, generator=gen), -1), torch.softmax(torch.randn(4, 6, generator=gen), -1)):
+        R = R.to(dtype)
+        kl = attention_stats(q, k.to(device), v.to(device), mask.to(device), kl_to=R.to(device))[1]["kl_to"]
+        assert kl.shape == (3, 2, 4)
+        torch.testing.assert_close(kl.double().cpu(), kl_ref(R.double(), P), rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(0, 5, 8), (4, 0, 8), (4, 5, 0)])
+def test_kl_to_of_empty_shapes(shape, dtype, device):
+    """L = 0, S = 0 or E = 0, with and without a gradient: the operator's shapes, no error."""
+    L, S, E = shape
+    q = torch.randn(1, 2, L, E).to(device, dtype)
+    k, v = torch.randn(1, 2, S, E).to(device, dtype), torch.randn(1, 2, S, 3).to(device, dtype)
+    R = torch.full((1, 2, L, S), 1.0 / max(S, 1)).to(device, dtype)
+    for grad in (False, True):
+        leaf = q.clone().requires_grad_(grad)
+        out, st = attention_stats(leaf, k, v, kl_to=R)
+        assert out.shape == (1, 2, L, 3) and st["kl_to"].shape == (1, 2, L)
+        if grad and L > 0:
+            assert torch.autograd.grad(st["kl_to"].sum(), leaf)[0].shape == q.shape
+
+
 def test_kl_to_in_fp16_stays_finite_where_P_underflows():
     """Peaky fp16 attention: many P underflow to 0 in fp16 under a uniform teacher. log P comes
     from fp32 logits, so the KL and its gradients stay finite and near float64's (taking it from
@@ -392,6 +467,45 @@ def test_kl_to_on_cuda_matches_float64(case, dtype):
     for name, g, w in zip(["kl", "dq", "dk", "dv", "dmask"], got, want):
         assert torch.isfinite(g).all(), name
         torch.testing.assert_close(g.double().cpu(), w, rtol=tol[0], atol=tol[1], msg=name)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_kl_to_with_another_statistic_and_a_gradient_on_cuda(dtype):
+    """kl_to asked with row_entropy and col_sum takes the checkpointed chunks, whose fp32 logits
+    must be differentiable (bmm's fp32-output overload has no derivative): against float64."""
+    gen = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(1, 2, n, 32, generator=gen).to(dtype) for n in (40, 50, 50))
+    R = torch.softmax(torch.randn(1, 2, 40, 50, generator=gen), -1).to(dtype)
+
+    def run(device, dt):
+        leaves = [t.to(device, dt).requires_grad_(True) for t in (q, k)]
+        _, st = attention_stats(*leaves, v.to(device, dt), kl_to=R.to(device, dt), row_entropy=True, col_sum="per_head")
+        loss = st["kl_to"].sum() + st["row_entropy"].sum() + st["col_sum"].pow(2).sum()
+        return list(torch.autograd.grad(loss, leaves))
+
+    for g, w in zip(run("cuda", dtype), run("cpu", torch.float64)):
+        torch.testing.assert_close(g.double().cpu(), w, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_kl_to_fp16_gradient_of_a_small_loss_on_cuda():
+    """A mean over many rows makes dS tiny (~1e-7, subnormal in fp16); fp16 products on CUDA scale
+    it by a power of two before rounding, so dQ stays near float64. In a CPU emulation of this
+    case (fp16 products forced on the CPU) dQ's relative error was 1.45e-3 scaled, 5.7e-3
+    unscaled, and 1.39e-3 with fp32 products."""
+    gen = torch.Generator().manual_seed(13)
+    q, k, v = (torch.randn(2, 4, n, 64, generator=gen) for n in (256, 1024, 1024))
+    R = torch.softmax(torch.randn(2, 4, 256, 1024, generator=gen) * 2, -1)
+
+    def dq(device, dt):
+        leaf = q.to(device, dt).requires_grad_(True)
+        kl = attention_stats(leaf, k.to(device, dt), v.to(device, dt), kl_to=R.to(device, dt))[1]["kl_to"]
+        return torch.autograd.grad(kl.mean(), leaf)[0].double().cpu()
+
+    want = dq("cpu", torch.float64)
+    err = torch.linalg.norm(dq("cuda", torch.float16) - want) / torch.linalg.norm(want)
+    assert err < 2.5e-3, err.item()
 
 
 def test_dropout_is_refused():
