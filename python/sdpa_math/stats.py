@@ -52,6 +52,12 @@ def _rows_of(t: torch.Tensor | None, i0: int, i1: int) -> torch.Tensor | None:
 _BMM_HAS_OUT_DTYPE = hasattr(torch.ops.aten.bmm, "dtype")
 
 
+def _on_cuda(t: torch.Tensor) -> bool:
+    """Whether kl_to takes its CUDA-only paths (tensor-core products) for t. One place, so a test
+    can run those paths on the meta device where no GPU is (test_stats.py)."""
+    return t.is_cuda
+
+
 def _logits_fp32(q_c, k, m_c, scale, enable_gqa):
     """The chunk's logits in fp32, x = scale · q kᵀ + mask (-inf where a bool mask hides a key),
     from fp16/bf16 (or fp32) q and k. Without a graph, on CUDA, a half-precision product
@@ -63,7 +69,7 @@ def _logits_fp32(q_c, k, m_c, scale, enable_gqa):
     if enable_gqa and k.dim() >= 3 and q_c.dim() >= 3 and q_c.shape[-3] != k.shape[-3]:
         kk = k.repeat_interleave(q_c.shape[-3] // k.shape[-3], dim=-3)
     graph = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q_c, k, m_c))
-    if not graph and q_c.is_cuda and q_c.dtype in (torch.float16, torch.bfloat16) and _BMM_HAS_OUT_DTYPE:
+    if not graph and _on_cuda(q_c) and q_c.dtype in (torch.float16, torch.bfloat16) and _BMM_HAS_OUT_DTYPE:
         x = _bmm_fp32(q_c, kk.transpose(-2, -1))
     else:
         x = q_c.float() @ kk.float().transpose(-2, -1)
@@ -271,7 +277,7 @@ def _logit_product_grads(ds, q, k, scale, enable_gqa):
     near 1: dS is about S times smaller than the dQ it sums to, and a small loss (a mean over many
     rows) put it in fp16's subnormal range (a relative error 4x the fp32 path's, in a CPU
     emulation)."""
-    fast_half = q.dtype == torch.bfloat16 or (q.dtype == torch.float16 and q.is_cuda)
+    fast_half = q.dtype == torch.bfloat16 or (q.dtype == torch.float16 and _on_cuda(q))
     dtype = q.dtype if fast_half else ds.dtype
     s = 1.0 if q.shape[-1] == 0 else (1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
     lead, lc, n_keys = ds.shape[:-2], ds.shape[-2], ds.shape[-1]
@@ -286,20 +292,20 @@ def _logit_product_grads(ds, q, k, scale, enable_gqa):
     else:
         kf = k.expand(lead + k.shape[-2:])
     factor = None
-    if dtype == torch.float16:  # a power of two: exact, and undone in fp32
+    if dtype == torch.float16 and ds.numel() > 0:  # a power of two: exact, and undone in fp32
         top = ds.abs().amax()
         factor = torch.where((top > 0) & torch.isfinite(top), torch.exp2(-torch.floor(torch.log2(top))), 1.0)
         ds = ds * factor
     ds = ds.to(dtype)
     qq, kk = qf.to(dtype), kf.to(dtype)
-    if factor is None and not (fast_half and q.is_cuda):
+    if factor is None and not (fast_half and _on_cuda(q)):
         # the scale on Q's rows, then dQ in place: not on dK, which for a decode chunk (S × E a
         # head) is far larger than dS (one row) — a fresh dK-sized temporary cost as much as its
         # product on the CPU
         dq = (ds @ kk).mul_(s)
         dk = ds.transpose(-2, -1) @ (qq * s)
     else:
-        mm = _bmm_fp32 if q.is_cuda and _BMM_HAS_OUT_DTYPE else (lambda x, y: (x @ y).float())
+        mm = _bmm_fp32 if _on_cuda(q) and _BMM_HAS_OUT_DTYPE else (lambda x, y: (x @ y).float())
         c = s if factor is None else s / factor
         dq = mm(ds, kk).mul_(c)
         dk = mm(ds.transpose(-2, -1), qq).mul_(c)

@@ -469,6 +469,46 @@ def test_kl_to_on_cuda_matches_float64(case, dtype):
         torch.testing.assert_close(g.double().cpu(), w, rtol=tol[0], atol=tol[1], msg=name)
 
 
+SHAPE_CASES = {  # q, k, v shapes, GQA
+    "gqa": ((2, 8, 40, 64), (2, 2, 50, 64), (2, 2, 50, 64), True),
+    "mha": ((2, 4, 40, 64), (2, 4, 50, 64), (2, 4, 50, 64), False),
+    "lead_dim_of_v": ((4, 40, 64), (4, 50, 64), (3, 4, 50, 64), False),
+    "L0": ((2, 4, 0, 64), (2, 4, 50, 64), (2, 4, 50, 64), False),
+    "S0": ((2, 4, 40, 64), (2, 4, 0, 64), (2, 4, 0, 64), False),
+}
+
+
+@pytest.mark.parametrize("other", [False, True])
+@pytest.mark.parametrize("mask", [None, "float", "bool", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", list(SHAPE_CASES))
+def test_kl_to_cuda_paths_on_the_meta_device(case, dtype, mask, other, monkeypatch):
+    """kl_to's CUDA-only paths (fp32-output bmm, fp16 dS scaling) run where no GPU is: the meta
+    device with the operator's fake kernels, stats._on_cuda pointed at it. Shapes and dtypes of
+    the KL and of every gradient (O in the loss too; another statistic takes the checkpointed
+    chunks), and no error: the fp16 scaling once took the max of an empty dS here."""
+    from sdpa_math import stats as stats_module
+    monkeypatch.setattr(stats_module, "_on_cuda", lambda t: True)
+    qs, ks, vs, gqa = SHAPE_CASES[case]
+    meta = dict(device="meta", dtype=dtype)
+    q, k, v = (torch.empty(shape, **meta).requires_grad_(True) for shape in (qs, ks, vs))
+    L, S = qs[-2], ks[-2]
+    lead = torch.broadcast_shapes(qs[:-3], ks[:-3], vs[:-3]) + (qs[-3],)
+    m = None
+    if mask == "float":
+        m = torch.empty(lead[:-1] + (1, L, S), **meta).requires_grad_(True)
+    elif mask == "bool":
+        m = torch.empty(lead[:-1] + (1, L, S), device="meta", dtype=torch.bool)
+    R = torch.empty(lead + (L, S), **meta).requires_grad_(True)
+    out, st = attention_stats(q, k, v, m, is_causal=mask == "causal", enable_gqa=gqa, kl_to=R, chunk_rows=16,
+                              row_entropy=other)
+    assert st["kl_to"].shape == lead + (L,) and st["kl_to"].dtype == torch.float32
+    loss = st["kl_to"].sum() + out.float().sum() + (st["row_entropy"].sum() if other else 0)
+    leaves = [q, k, v, R] + ([m] if mask == "float" else [])
+    for g, t in zip(torch.autograd.grad(loss, leaves), leaves):
+        assert g.shape == t.shape and g.dtype == t.dtype
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_kl_to_with_another_statistic_and_a_gradient_on_cuda(dtype):
