@@ -273,39 +273,39 @@ def _logit_product_grads(ds, q, k, scale, enable_gqa):
     math op's backward rounds its dS) where that is fast: fp16 and bf16 on CUDA (fp32 results
     where bmm has out_dtype), bf16 on the CPU (4.7x fp32's speed with avx512_bf16 on the 2-core
     machine). fp16 on the CPU has no fast product (50x slower than fp32 there) and multiplies in
-    fp32. Before rounding to fp16, dS is scaled by a power of two that brings its largest element
-    near 1: dS is about S times smaller than the dQ it sums to, and a small loss (a mean over many
-    rows) put it in fp16's subnormal range (a relative error 4x the fp32 path's, in a CPU
-    emulation)."""
+    fp32. Before rounding to fp16 (with fp32 results only: an fp16 result could overflow), dS is
+    scaled by a power of two per product matrix that brings its largest element near 1: dS is
+    about S times smaller than the dQ it sums to, and a small loss (a mean over many rows) put it
+    in fp16's subnormal range (a relative error 4x the fp32 path's, in a CPU emulation)."""
     fast_half = q.dtype == torch.bfloat16 or (q.dtype == torch.float16 and _on_cuda(q))
     dtype = q.dtype if fast_half else ds.dtype
     s = 1.0 if q.shape[-1] == 0 else (1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
     lead, lc, n_keys = ds.shape[:-2], ds.shape[-2], ds.shape[-1]
     grouped = enable_gqa and k.dim() >= 3 and q.dim() >= 3 and q.shape[-3] != k.shape[-3]
-    qf = q.expand(lead + q.shape[-2:])
+    qf = q
     if grouped:  # (*b, Hkv·G, Lc, ·) -> (*b, Hkv, G·Lc, ·): a group's rows against its key head
         hkv = k.shape[-3]
         g = q.shape[-3] // hkv
         ds = ds.reshape(lead[:-1] + (hkv, g * lc, n_keys))
-        qf = qf.reshape(lead[:-1] + (hkv, g * lc, q.shape[-1]))
-        kf = k.expand(lead[:-1] + k.shape[-3:])
-    else:
-        kf = k.expand(lead + k.shape[-2:])
+        qf = q.reshape(q.shape[:-3] + (hkv, g * lc, q.shape[-1]))  # q's own batch dims: broadcast below
     factor = None
-    if dtype == torch.float16 and ds.numel() > 0:  # a power of two: exact, and undone in fp32
-        top = ds.abs().amax()
-        factor = torch.where((top > 0) & torch.isfinite(top), torch.exp2(-torch.floor(torch.log2(top))), 1.0)
+    if dtype == torch.float16 and _BMM_HAS_OUT_DTYPE and ds.numel() > 0:
+        # A power of two per product matrix (a key head's rows), exact and undone in fp32; its
+        # exponent capped so that it stays finite in fp32 (dS below 2^-126 stays below 1).
+        top = ds.abs().amax(dim=(-2, -1), keepdim=True)
+        exponent = (-torch.floor(torch.log2(top))).clamp_(max=126)
+        factor = torch.where((top > 0) & torch.isfinite(top), torch.exp2(exponent), 1.0)
         ds = ds * factor
     ds = ds.to(dtype)
-    qq, kk = qf.to(dtype), kf.to(dtype)
-    if factor is None and not (fast_half and _on_cuda(q)):
+    qq, kk = qf.to(dtype), k.to(dtype)
+    if not (fast_half and _on_cuda(q)):
         # the scale on Q's rows, then dQ in place: not on dK, which for a decode chunk (S × E a
         # head) is far larger than dS (one row) — a fresh dK-sized temporary cost as much as its
         # product on the CPU
         dq = (ds @ kk).mul_(s)
         dk = ds.transpose(-2, -1) @ (qq * s)
-    else:
-        mm = _bmm_fp32 if _on_cuda(q) and _BMM_HAS_OUT_DTYPE else (lambda x, y: (x @ y).float())
+    else:  # fp32 results where bmm has out_dtype (else fp16/bf16 products, unscaled)
+        mm = _bmm_fp32 if _BMM_HAS_OUT_DTYPE else (lambda x, y: (x @ y).float())
         c = s if factor is None else s / factor
         dq = mm(ds, kk).mul_(c)
         dk = mm(ds.transpose(-2, -1), qq).mul_(c)
