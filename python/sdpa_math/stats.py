@@ -52,6 +52,11 @@ def _rows_of(t: torch.Tensor | None, i0: int, i1: int) -> torch.Tensor | None:
 _BMM_HAS_OUT_DTYPE = hasattr(torch.ops.aten.bmm, "dtype")
 
 
+def _tracked(*tensors) -> bool:
+    """Whether autograd records an op on these (grad mode on and one of them requires grad)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _on_cuda(t: torch.Tensor) -> bool:
     """Whether kl_to takes its CUDA-only paths (tensor-core products) for t. One place, so a test
     can run those paths on the meta device where no GPU is (test_stats.py)."""
@@ -68,7 +73,7 @@ def _logits_fp32(q_c, k, m_c, scale, enable_gqa):
     kk = k
     if enable_gqa and k.dim() >= 3 and q_c.dim() >= 3 and q_c.shape[-3] != k.shape[-3]:
         kk = k.repeat_interleave(q_c.shape[-3] // k.shape[-3], dim=-3)
-    graph = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q_c, k, m_c))
+    graph = _tracked(q_c, k, m_c)
     if not graph and _on_cuda(q_c) and q_c.dtype in (torch.float16, torch.bfloat16) and _BMM_HAS_OUT_DTYPE:
         x = _bmm_fp32(q_c, kk.transpose(-2, -1))
     else:
@@ -416,7 +421,7 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     bounds = [(i0, min(L, i0 + chunk_rows)) for i0 in range(0, L, chunk_rows)] or [(0, 0)]
 
     tensors = [t for t in (query, key, value, attn_mask, kl_to) if t is not None]
-    use_checkpoint = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    use_checkpoint = _tracked(*tensors)
 
     # kl_to alone with a gradient: its own autograd function per chunk (_KLChunk), not the checkpoint.
     kl_alone = (use_checkpoint and kl_to is not None and col_sum is None and not row_entropy and not head_mean
@@ -462,7 +467,7 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 res.append(-(pf * torch.log(torch.where(pf > 0, pf, torch.ones_like(pf)))).sum(-1))
             if kl_to is not None:  # fp16/bf16: log P from fp32 logits, not from the rounded P
                 half = p_c.dtype in (torch.float16, torch.bfloat16)
-                if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q_c, k, m_c, ref_c)):
+                if _tracked(q_c, k, m_c, ref_c):
                     res.append(_kl_rows_autograd(ref_c.to(stat_dtype), pf,
                                                  _log_probs_fp32(q_c, k, m_c, scale, enable_gqa) if half else None))
                 elif half:
