@@ -98,10 +98,19 @@ for stage in $stages; do
       python3 -m sdpa_math.bench gate "$OUT/stats.json" bench/baselines/h200-stats.json \
         ${SDPA_MATH_BENCH_DTYPES:+--subset} 2>&1 | tail -20 ;;
     kl)
-      # kl_to on CUDA (issue 16): its tests against float64, and where its forward + backward
-      # spends its time next to flash attention's (tests/gpu/kl_profile.py).
-      log "kl_to: tests on CUDA, profile"
-      python3 -m pytest -q -p no:cacheprovider tests/python/test_stats.py 2>&1 | tee "$OUT/pytest-kl.log" | tail -5
+      # kl_to on CUDA (issue 16): its tests against float64 (the fused kernels and the Hopper
+      # backward they share), three sanitizers on its calls alone (side by side with the tests),
+      # and where its forward + backward spends its time next to flash attention's
+      # (tests/gpu/kl_profile.py).
+      log "kl_to: tests and sanitizers on CUDA, profile"
+      for tool in memcheck racecheck synccheck; do
+        ( timeout 200 compute-sanitizer --tool $tool --print-limit 10 python3 tests/gpu/sanitize_cases.py kl 2>&1 | tail -4 \
+            > "$OUT/sanitizer-kl-$tool.log" ) &
+      done
+      python3 -m pytest -q -p no:cacheprovider tests/python/test_stats.py tests/python/test_kl_fused.py \
+        tests/python/test_cuda_sm90_backward.py 2>&1 | tee "$OUT/pytest-kl.log" | tail -5
+      wait
+      for f in "$OUT"/sanitizer-kl-*.log; do echo "-- ${f##*/}"; grep -E "SUMMARY|finished" "$f"; done
       for dt in float16 bfloat16; do
         python3 tests/gpu/kl_profile.py prefill1k_d128 $dt > "$OUT/kl-profile-$dt.txt" 2>&1
         head -2 "$OUT/kl-profile-$dt.txt"

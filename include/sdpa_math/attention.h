@@ -125,6 +125,34 @@ void forward_stats(Backend backend, const ForwardArgs& args, const StatsOutputs&
 // rows_count rows of P in the inputs' dtype). Validates the inputs as forward does.
 bool forward_stats_has_kernel(Backend backend, const ForwardArgs& args, bool col_sum, bool row_entropy, int64_t rows_count);
 
+// kl_to's pieces without P (docs/statistics.md, "kl_to on CUDA"). For a reference map r of P's
+// shape and KL_i = Σ_j r_ij log(r_ij / P_ij), the KL is Σ_j r log r − Σ_j r_ij x_ij + R_i lse_i
+// (x the logits, R_i = Σ_j r_ij), and the gradient of Σ_i g_i KL_i to the logits is
+// dS_ij = g_i (R_i P_ij − r_ij): no log P and no division by P anywhere.
+//
+// kl_reference_rows: per row of r (any floating dtype, (*lead, L, S)) R_i = Σ_j r_ij,
+// H_i = Σ_j r_ij log r_ij (0 log 0 = 0) and, with is_causal, the mass on the keys the top-left
+// causal mask hides, Σ_{j > i} r_ij (0 without it): the KL is +inf where that is positive.
+// Outputs (*lead, L), float32 or float64.
+void kl_reference_rows(Backend backend, const TensorView& reference, bool is_causal, const TensorView& row_sum,
+                       const TensorView& row_xlogx, const TensorView& hidden_mass, const CudaExecution& cuda = {});
+struct KlBackwardArgs {
+  ForwardArgs forward;     // as the forward's (value is not read); no dropout
+  TensorView logsumexp;    // the forward's, (*lead, L)
+  TensorView reference;    // r, P's shape (*lead, L, S), any floating dtype (broadcast by strides)
+  TensorView ref_row_sum;  // R, (*lead, L), float32 or float64
+  TensorView grad_kl;      // g, the KL's incoming gradient, (*lead, L), float32 or float64
+};
+// Writes grad_query = scale dS K and grad_key = scale dSᵀ Q (summed over a GQA group and over
+// broadcast dims) where given; grad_value and grad_attn_mask must be absent. The reference and
+// CPU backends recompute P from q and k in float64 (a mask allowed; slow: the Python package's
+// kl_to has its own CPU path); CUDA has a Hopper kernel (the backward's KL form: fp16/bf16, no
+// mask, r in the inputs' dtype) and raises BackendUnavailable for anything else.
+void kl_backward(Backend backend, const KlBackwardArgs& args, const BackwardOutputs& out, const CudaExecution& cuda = {});
+// Whether kl_backward runs these inputs on `backend` (gradients as a caller allocates them:
+// contiguous in the inputs' dtype). Validates as kl_backward does.
+bool kl_backward_has_kernel(Backend backend, const KlBackwardArgs& args);
+
 // Threads used by the CPU backend (0 = OpenMP's default).
 void set_cpu_threads(int n);
 int cpu_threads();

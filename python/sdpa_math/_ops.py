@@ -84,6 +84,20 @@ def _forward_stats_fake(query, key, value, attn_mask, is_causal, scale, enable_g
     )
 
 
+@torch.library.register_fake("sdpa_math::kl_reference_rows")
+def _kl_reference_rows_fake(reference, is_causal):
+    stat = torch.float64 if reference.dtype == torch.float64 else torch.float32
+    rows = reference.shape[:-1]
+    return tuple(reference.new_empty(rows, dtype=stat) for _ in range(3))
+
+
+@torch.library.register_fake("sdpa_math::kl_backward")
+def _kl_backward_fake(query, key, value, is_causal, scale, enable_gqa, logsumexp, reference, ref_row_sum, grad_kl,
+                      output_mask):
+    return (query.new_empty(query.shape if output_mask[0] else (0,)),
+            key.new_empty(key.shape if output_mask[1] else (0,)))
+
+
 @torch.library.register_fake("sdpa_math::backward")
 def _backward_fake(grad_output, grad_probs, query, key, value, attn_mask, logsumexp, output, attn_probs, dropout_p, is_causal,
                    dropout_mask, scale, enable_gqa, rng, output_mask):

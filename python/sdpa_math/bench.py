@@ -894,8 +894,8 @@ KL_COLUMNS = ["ours", "native", "flash"]
 def kl_impls():
     """name -> fn(q, k, v, ref, s, scale): forward + backward of a distillation term, KL(ref ‖ P)
     per row summed, with its gradient to q and k (issue 16's `kl_to` target):
-      ours     sdpa_math.stats.attention_stats(kl_to=ref) (P never kept whole: chunks, each
-               recomputed in the backward)
+      ours     sdpa_math.stats.attention_stats(kl_to=ref) (on Hopper the fused kernels, P never
+               formed; elsewhere chunks of P, each recomputed in the backward)
       native   the math op's P, the KL written as a user writes it, autograd through both
       flash    PyTorch's fused kernel forward + backward through O (no P, no KL): the speed of light"""
     from .stats import attention_stats

@@ -12,7 +12,11 @@ torch.utils.checkpoint (use_reentrant=False), so the graph keeps the chunk's inp
 the caller's tensors and two integers) instead of its P, and backward recomputes one chunk's P
 at a time: peak memory is O(chunk_rows * S) per head, and nothing P-sized outlives the forward.
 kl_to alone with a gradient has its own autograd function per chunk (_KLChunk), which also keeps
-the chunk's O and lse and forms the KL's gradient to the logits directly.
+the chunk's O and lse and forms the KL's gradient to the logits directly. On CUDA, where the
+Hopper kernels take the inputs (no mask, the reference in the inputs' dtype), kl_to alone runs
+whole, never forming P (_KLFused): O and lse from the statistics kernel, the KL as
+Σ r log r − Σ r x + R lse from the reference's row sums and one product r K, and the gradient
+from the Hopper backward's KL form, which recomputes P tile by tile from the lse.
 
 Exact definitions, dtypes and the GQA and visible-queries rules: docs/statistics.md.
 """
@@ -271,6 +275,78 @@ def _add(a, b):
     return b if a is None else a + b
 
 
+def _ref_logit_sums(r, q, k, scale, enable_gqa):
+    """Σ_j r_ij x_ij per row of the unmasked logits x = scale q kᵀ, in fp32, as scale · q_i · (r K)_i:
+    one product of the reference with K (fp32 results on the tensor cores, a GQA group's rows
+    stacked against its key head) instead of the L×S logits. r has P's shape."""
+    lead, (L, S), E = r.shape[:-2], r.shape[-2:], q.shape[-1]
+    s = 1.0 / math.sqrt(E) if scale is None else scale
+    if enable_gqa and k.dim() >= 3 and len(lead) >= 1 and lead[-1] != k.shape[-3]:
+        hkv = k.shape[-3]
+        u = _bmm_fp32(r.reshape(lead[:-1] + (hkv, lead[-1] // hkv * L, S)), k).reshape(lead + (L, E))
+    else:
+        u = _bmm_fp32(r, k)
+    return u.mul_(q).sum(-1).mul_(s)
+
+
+def _kl_fused_applies(q, k, v, m, ref, is_causal, scale, enable_gqa, lead):
+    """Whether kl_to runs whole on the CUDA kernels (_KLFused): fp16/bf16 on CUDA, no mask, the
+    reference in the inputs' dtype and not itself differentiated, and the Hopper backward's KL
+    form takes the layout (torch.ops.sdpa_math.kl_backward_has_kernel, asked with placeholder rows)."""
+    if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and m is None and ref.dtype == q.dtype
+            and _BMM_HAS_OUT_DTYPE and not _tracked(ref)):
+        return False
+    L, S = q.shape[-2], k.shape[-2]
+    r = ref.expand(lead + (L, S))
+    rows = q.new_empty(lead + (L,), dtype=torch.float32)
+    return ops.kl_backward_has_kernel(q, k, v, is_causal, scale, enable_gqa, rows, r, rows, rows)
+
+
+class _KLFused(torch.autograd.Function):
+    """kl_to alone on CUDA, whole (no chunks), P never formed: returns (O, KL).
+
+    Forward: O and lse from the statistics kernel with nothing asked (one pass, P not written;
+    the forward kernel where that does not apply), the reference's row sums R, Σ r log r and the
+    causally hidden mass from one streaming pass (kl_reference_rows), and Σ_j r x from r K
+    (_ref_logit_sums): KL = Σ r log r − Σ r x + R lse (+inf where r has mass on a hidden key).
+    Backward: dQ and dK from the Hopper backward's KL form (dS = g (R P − r) with P recomputed
+    from the lse per tile); O's gradient, when the loss uses O, through the operator's backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ref, is_causal, scale, enable_gqa):
+        if ops.forward_stats_has_kernel(q, k, v, None, is_causal, scale, enable_gqa, False, False, 0):
+            o, lse, *_ = ops.forward_stats(q, k, v, None, is_causal, scale, enable_gqa, False, False, 0, 0, 1)
+        else:
+            o, _, lse = ops.forward(q, k, v, None, 0.0, is_causal, None, scale, enable_gqa, None)
+        R, H, hidden = ops.kl_reference_rows(ref, is_causal)
+        kl = H.sub_(_ref_logit_sums(ref, q, k, scale, enable_gqa)).add_(torch.where(R > 0, R * lse, 0.0))
+        kl.masked_fill_(hidden > 0, float("inf"))
+        ctx.save_for_backward(q, k, v, ref, o, lse, R)
+        ctx.meta = (is_causal, scale, enable_gqa)
+        ctx.set_materialize_grads(False)
+        return o, kl
+
+    @staticmethod
+    @once_differentiable  # double backward raises (as the operator's own, contract §11)
+    def backward(ctx, d_o, g):
+        q, k, v, ref, o, lse, R = ctx.saved_tensors
+        is_causal, scale, enable_gqa = ctx.meta
+        want_q, want_k, want_v = ctx.needs_input_grad[:3]
+        grads = [None] * 3
+        if d_o is not None and (want_q or want_k or want_v):  # O's own gradient, from a recomputed P
+            _, p, _ = ops.forward(q, k, v, None, 0.0, is_causal, None, scale, enable_gqa, None)
+            dq, dk, dv, _ = ops.backward(d_o, None, q, k, v, None, lse, o, p, 0.0, is_causal, None, scale, enable_gqa,
+                                         None, [want_q, want_k, want_v, False])
+            grads = [t if want else None for t, want in zip((dq, dk, dv), (want_q, want_k, want_v))]
+        if g is not None and (want_q or want_k):
+            dq, dk = ops.kl_backward(q, k, v, is_causal, scale, enable_gqa, lse, ref, R, g.float(), [want_q, want_k])
+            grads[0] = _add(grads[0], dq) if want_q else grads[0]
+            grads[1] = _add(grads[1], dk) if want_k else grads[1]
+        if want_v and grads[2] is None:  # V reaches the KL through nothing
+            grads[2] = v.new_zeros(()).expand_as(v)
+        return (*grads, None, None, None, None)
+
+
 def _logit_product_grads(ds, q, k, scale, enable_gqa):
     """dQ = scale dS K and dK = scale dSᵀ Q, summed over a GQA group (the group's query rows are
     stacked, so the sum is inside dK's product) and over broadcast dims, from dS in the
@@ -364,8 +440,9 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         sum_j Pref log(Pref / P) (terms with Pref = 0 are 0; +inf where Pref > 0 and P = 0).
     chunk_rows: query rows per chunk; default: a chunk's P is at most 64 MiB.
     method: "auto" (the fused operator where it applies, else chunks), "fused" (raises
-        ValueError where it does not apply: a gradient wanted, head_mean or kl_to asked for, or
-        CUDA inputs its kernel does not take), "chunks" (always the chunked composition).
+        ValueError where it does not apply: a gradient wanted or head_mean asked for, CUDA
+        inputs its kernel does not take, or kl_to other than alone on CUDA inputs the Hopper
+        kernels take), "chunks" (always the chunked composition).
 
     Every output is differentiable through q, k, v and a float mask (and kl_to's reference).
     """
@@ -423,7 +500,13 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     tensors = [t for t in (query, key, value, attn_mask, kl_to) if t is not None]
     use_checkpoint = _tracked(*tensors)
 
-    # kl_to alone with a gradient: its own autograd function per chunk (_KLChunk), not the checkpoint.
+    # kl_to alone on CUDA's kernels, whole (_KLFused), with or without a gradient.
+    if (kl_to is not None and col_sum is None and not row_entropy and not head_mean and win is None
+            and method != "chunks" and _kl_fused_applies(query, key, value, attn_mask, kl_to, is_causal, scale,
+                                                         enable_gqa, lead)):
+        o, kl = _KLFused.apply(query, key, value, kl_to.expand(lead + (L, S)), is_causal, scale, enable_gqa)
+        return o, {"kl_to": kl}
+    # kl_to alone with a gradient elsewhere: its own autograd function per chunk (_KLChunk), not the checkpoint.
     kl_alone = (use_checkpoint and kl_to is not None and col_sum is None and not row_entropy and not head_mean
                 and win is None)
     outs, cols, ents, kls, heads, picked = [], [], [], [], [], []
@@ -437,7 +520,9 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if method == "fused" and not fused_applies:
         raise ValueError("attention_stats: method='fused' takes col_sum, row_entropy and rows with no gradient wanted, "
                          "of CPU inputs or of CUDA inputs its Hopper kernel takes (torch.ops.sdpa_math."
-                         "forward_stats_has_kernel); use method='auto' for the chunked composition elsewhere")
+                         "forward_stats_has_kernel), and kl_to alone on CUDA inputs the Hopper kernels take (fp16/bf16, "
+                         "no mask, the reference in the inputs' dtype: torch.ops.sdpa_math.kl_backward_has_kernel); "
+                         "use method='auto' for the chunked composition elsewhere")
     if fused_applies:
         o, _, cs_rows, ent_rows, win_rows = ops.forward_stats(query, key, value, attn_mask, is_causal, scale, enable_gqa,
                                                               col_sum is not None, row_entropy, first, count, step)

@@ -125,4 +125,44 @@ bool forward_stats_has_kernel(Backend backend, const ForwardArgs& args, bool col
 #endif
 }
 
+void kl_reference_rows(Backend backend, const TensorView& reference, bool is_causal, const TensorView& row_sum,
+                       const TensorView& row_xlogx, const TensorView& hidden_mass, const CudaExecution& cuda) {
+  core::check_kl_reference_rows(reference, row_sum, row_xlogx, hidden_mass);
+  if (!backend_available(backend))
+    throw Error(ErrorCode::BackendUnavailable, std::string("the ") + backend_name(backend) + " backend is not in this build");
+  if ((reference.device.type == DeviceType::CUDA) != (backend == Backend::Cuda))
+    throw Error(ErrorCode::DeviceMismatch, std::string("the ") + backend_name(backend) + " backend cannot run tensors on " +
+                                               device_name(reference.device));
+#ifdef SDPA_MATH_WITH_CUDA
+  if (backend == Backend::Cuda) return cuda::kl_reference_rows(reference, is_causal, row_sum, row_xlogx, hidden_mass, cuda);
+#else
+  (void)cuda;
+#endif
+  reference::kl_reference_rows(reference, is_causal, row_sum, row_xlogx, hidden_mass);
+}
+
+void kl_backward(Backend backend, const KlBackwardArgs& args, const BackwardOutputs& out, const CudaExecution& cuda) {
+  const core::Problem p = core::make_problem(args.forward);
+  core::check_kl_backward(p, args, out);
+  check_backend(backend, p);
+#ifdef SDPA_MATH_WITH_CUDA
+  if (backend == Backend::Cuda) return cuda::kl_backward(p, args, out, cuda);
+#else
+  (void)cuda;
+#endif
+  // The CPU backend runs the float64 reference too: exact and slow (attention_stats has its own
+  // CPU path for kl_to; this one is for tests and small problems).
+  reference::kl_backward(p, args, out);
+}
+
+bool kl_backward_has_kernel(Backend backend, const KlBackwardArgs& args) {
+  const core::Problem p = core::make_problem(args.forward);
+  core::check_kl_backward(p, args, {});
+  check_backend(backend, p);
+#ifdef SDPA_MATH_WITH_CUDA
+  if (backend == Backend::Cuda) return cuda::kl_backward_applies(p, args);
+#endif
+  return true;
+}
+
 }  // namespace sdpa_math

@@ -329,4 +329,30 @@ void check_backward(const Problem& p, const BackwardArgs& a, const BackwardOutpu
   }
 }
 
+void check_kl_backward(const Problem& p, const KlBackwardArgs& a, const BackwardOutputs& out) {
+  if (p.dropout != DropoutMode::None)
+    fail(ErrorCode::DropoutProbability, "kl_backward differentiates the KL to the dropout-free map P; dropout_p must be 0, got ",
+         p.dropout_p);
+  const Device dev = p.device;
+  check_view(a.logsumexp, "logsumexp", p.shapes.logsumexp, true, dev, ErrorCode::BadGradient);
+  check_view(a.reference, "reference", p.shapes.attn_probs, false, dev, ErrorCode::BadGradient);
+  check_view(a.ref_row_sum, "ref_row_sum", p.shapes.logsumexp, true, dev, ErrorCode::BadGradient);
+  check_view(a.grad_kl, "grad_kl", p.shapes.logsumexp, true, dev, ErrorCode::BadGradient);
+  if (out.grad_value || out.grad_attn_mask)
+    fail(ErrorCode::BadOutput, "kl_backward writes grad_query and grad_key only (the KL does not reach V; no mask gradient)");
+  if (out.grad_query) check_view(*out.grad_query, "grad_query", a.forward.query.shape, false, dev, ErrorCode::BadOutput);
+  if (out.grad_key) check_view(*out.grad_key, "grad_key", a.forward.key.shape, false, dev, ErrorCode::BadOutput);
+}
+
+void check_kl_reference_rows(const TensorView& r, const TensorView& row_sum, const TensorView& row_xlogx,
+                             const TensorView& hidden_mass) {
+  if (r.ndim() < 2) fail(ErrorCode::RankTooLow, "reference must have at least 2 dims (rows, keys), got ", r.shape.str());
+  if (!is_floating(r.dtype)) fail(ErrorCode::UnsupportedDtype, "reference has dtype ", dtype_name(r.dtype), ", expected a floating dtype");
+  Shape rows = r.shape;
+  rows.ndim -= 1;
+  check_view(row_sum, "row_sum", rows, true, r.device, ErrorCode::BadOutput);
+  check_view(row_xlogx, "row_xlogx", rows, true, r.device, ErrorCode::BadOutput);
+  check_view(hidden_mass, "hidden_mass", rows, true, r.device, ErrorCode::BadOutput);
+}
+
 }  // namespace sdpa_math::core

@@ -68,14 +68,20 @@ DevOperand output_to_device(const core::Problem& p, const TensorView& v, bool ha
   return to_device(core::output_operand(p, v, has_cols));
 }
 
-// Runs on the tensors' device; restores the caller's current device.
+// Runs on the tensors' device, its primary context current on this thread; restores the
+// caller's current device.
 class DeviceGuard {
  public:
   explicit DeviceGuard(int index) {
     check_cuda(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (index >= 0 && index != previous_) {
+    // cudaSetDevice even when the device is already the current one: a thread that has made no
+    // runtime call that needs a context yet (autograd's device thread, when our backward is the
+    // first op it runs) reports device 0 with no context bound, and the driver's tensor-map
+    // encoder then fails, so the Hopper kernels were declined there (run v56: kl_to's backward
+    // as the first op of that thread raised "the TMA unit cannot address q or k").
+    if (index >= 0) {
       check_cuda(cudaSetDevice(index), "cudaSetDevice");
-      changed_ = true;
+      changed_ = index != previous_;
     }
   }
   // Restores only what the constructor changed: an unconditional cudaSetDevice(previous) would
@@ -306,6 +312,64 @@ void backward(const core::Problem& p, const BackwardArgs& args, const BackwardOu
   if (args.attn_probs) dp.probs = output_to_device(p, *args.attn_probs, true);
   if (p.dtype == DType::Float64) backward_with<double>(p, dp, out, ex, stream);
   else backward_with<float>(p, dp, out, ex, stream);
+}
+
+#ifdef SDPA_MATH_WITH_SM90
+namespace {
+sm90::KlInputs kl_inputs(const core::Problem& p, const KlBackwardArgs& args) {
+  return {output_to_device(p, args.reference, true), output_to_device(p, args.ref_row_sum, false),
+          output_to_device(p, args.grad_kl, false)};
+}
+}  // namespace
+#endif
+
+bool kl_backward_applies(const core::Problem& p, const KlBackwardArgs& args) {
+#ifdef SDPA_MATH_WITH_SM90
+  DeviceGuard guard(p.device.index);
+  DevProblem dp = to_device(p);
+  dp.lse = output_to_device(p, args.logsumexp, false);
+  return sm90::kl_backward_applies(dp, kl_inputs(p, args));
+#else
+  (void)p;
+  (void)args;
+  return false;
+#endif
+}
+
+void kl_backward(const core::Problem& p, const KlBackwardArgs& args, const BackwardOutputs& out, const CudaExecution& ex) {
+  const char* why = "this build has no Hopper kernels";
+#ifdef SDPA_MATH_WITH_SM90
+  DeviceGuard guard(p.device.index);
+  auto stream = static_cast<cudaStream_t>(ex.stream);
+  DevProblem dp = to_device(p);
+  dp.lse = output_to_device(p, args.logsumexp, false);
+  const sm90::KlInputs in = kl_inputs(p, args);
+  // The kernel stores the gradients itself: contiguous in the inputs' dtype, as the binding
+  // allocates them.
+  auto direct = [&](const std::optional<TensorView>& v) { return !v || (v->dtype == p.dtype && v->is_contiguous()); };
+  if (!direct(out.grad_query) || !direct(out.grad_key)) {
+    why = "the gradients are not contiguous in the inputs' dtype";
+  } else if (const char* declined = sm90::kl_backward_declines(dp, in)) {
+    why = declined;
+  } else {
+    auto data = [](const std::optional<TensorView>& v) -> void* { return v && v->numel() > 0 ? v->data : nullptr; };
+    const sm90::BackwardTargets targets{data(out.grad_query), data(out.grad_key), nullptr};
+    Scratch scratch(ex, stream);
+    if (sm90::kl_backward(dp, in, targets, scratch.zeros<float>(sm90::kl_backward_workspace_floats(dp)), stream)) return;
+    why = "the TMA unit cannot address an operand or the workspace";
+  }
+#else
+  (void)p;
+  (void)args;
+  (void)out;
+  (void)ex;
+#endif
+  throw Error(ErrorCode::BackendUnavailable,
+              std::string("kl_backward: no CUDA kernel takes this problem, ") + why +
+                  " (it needs a Hopper GPU and a build with its kernels; float16 or bfloat16 inputs without dropout or "
+                  "a mask; a reference map in the inputs' dtype with 4-byte aligned rows (an even key count); head size "
+                  "E a multiple of 8 up to 128; q and k not broadcast over batch dims; contiguous gradients in the "
+                  "inputs' dtype; sdpa_math.stats.attention_stats computes kl_to's gradient from chunks of P instead)");
 }
 
 }  // namespace sdpa_math::cuda

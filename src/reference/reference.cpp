@@ -217,4 +217,60 @@ void backward(const Problem& p, const BackwardArgs& args, const BackwardOutputs&
   if (out.grad_attn_mask) core::write_dense(gm.data(), *out.grad_attn_mask);
 }
 
+// kl_to's gradient to q and k from its definition (attention.h, KlBackwardArgs): P recomputed in
+// float64 from q and k, dS = g (R P − r) with R as given.
+void kl_backward(const Problem& p, const KlBackwardArgs& args, const BackwardOutputs& out) {
+  const Operand ref = core::output_operand(p, args.reference, true);
+  const Operand R = core::output_operand(p, args.ref_row_sum, false), g = core::output_operand(p, args.grad_kl, false);
+  std::vector<double> gq(p.query.own_shape.numel()), gk(p.key.own_shape.numel());
+  Row r;
+  for (int64_t lead = 0; lead < p.num_lead; ++lead) {
+    const HeadOffsets h = head_offsets(p, lead);
+    const int64_t dq0 = core::dense_lead_offset(p, p.query, lead), dk0 = core::dense_lead_offset(p, p.key, lead);
+    const int64_t r0 = core::lead_offset(p, ref, lead), R0 = core::lead_offset(p, R, lead), g0 = core::lead_offset(p, g, lead);
+    for (int64_t i = 0; i < p.L; ++i) {
+      compute_row(p, lead, h, i, r);
+      const double gi = at(g, g0, i, 0), Ri = at(R, R0, i, 0);
+      for (int64_t j = 0; j < p.S; ++j) {
+        const double ds = gi * (Ri * r.P[j] - at(ref, r0, i, j));
+        for (int64_t e = 0; e < p.E; ++e) {
+          gq[dq0 + i * p.query.dense_row_stride + e] += p.scale * ds * at(p.key, h.k, j, e);
+          gk[dk0 + j * p.key.dense_row_stride + e] += p.scale * ds * at(p.query, h.q, i, e);
+        }
+      }
+    }
+  }
+  if (out.grad_query) core::write_dense(gq.data(), *out.grad_query);
+  if (out.grad_key) core::write_dense(gk.data(), *out.grad_key);
+}
+
+void kl_reference_rows(const TensorView& ref, bool is_causal, const TensorView& row_sum, const TensorView& row_xlogx,
+                       const TensorView& hidden_mass) {
+  const int nd = ref.ndim();
+  const int64_t L = ref.shape.dims[nd - 2], S = ref.shape.dims[nd - 1];
+  const int64_t rows = S > 0 ? ref.numel() / S : row_sum.numel();
+  // The offset of row n (row-major over the first nd - 1 dims) in a view with those dims first.
+  auto row_offset = [&](const TensorView& v, int64_t n) {
+    int64_t off = 0;
+    for (int d = nd - 2; d >= 0; --d) {
+      off += (n % ref.shape.dims[d]) * v.strides[d];
+      n /= ref.shape.dims[d];
+    }
+    return off;
+  };
+  for (int64_t n = 0; n < rows; ++n) {
+    const int64_t i = n % std::max<int64_t>(L, 1), base = row_offset(ref, n);
+    double sum = 0.0, xlogx = 0.0, hidden = 0.0;
+    for (int64_t j = 0; j < S; ++j) {
+      const double x = core::load_as_double(ref.dtype, ref.data, base + j * ref.strides[nd - 1]);
+      sum += x;
+      if (x != 0.0) xlogx += x * std::log(x);  // 0 log 0 = 0; a negative entry gives NaN
+      if (is_causal && j > i) hidden += x;
+    }
+    core::store_from_double(row_sum.dtype, row_sum.data, row_offset(row_sum, n), sum);
+    core::store_from_double(row_xlogx.dtype, row_xlogx.data, row_offset(row_xlogx, n), xlogx);
+    core::store_from_double(hidden_mass.dtype, hidden_mass.data, row_offset(hidden_mass, n), hidden);
+  }
+}
+
 }  // namespace sdpa_math::reference

@@ -9,5 +9,8 @@ namespace sdpa_math::reference {
 void forward(const core::Problem& p, const ForwardOutputs& out);
 void backward(const core::Problem& p, const BackwardArgs& args, const BackwardOutputs& out);
 void forward_stats(const core::Problem& p, const StatsOutputs& out);
+void kl_backward(const core::Problem& p, const KlBackwardArgs& args, const BackwardOutputs& out);
+void kl_reference_rows(const TensorView& reference, bool is_causal, const TensorView& row_sum, const TensorView& row_xlogx,
+                       const TensorView& hidden_mass);
 
 }  // namespace sdpa_math::reference

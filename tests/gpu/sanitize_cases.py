@@ -1,10 +1,15 @@
 """A few forward+backward calls of every CUDA kernel family, small enough to run under
 compute-sanitizer (memcheck, racecheck, synccheck, initcheck): tails in L and S, padded head sizes, masks, causal,
 GQA, dropout, strided inputs, fp16/bf16 (tensor cores), a few query rows (the decode path),
-fp32/fp64 (generic path), and the Hopper statistics kernel.
+fp32/fp64 (generic path), the Hopper statistics kernel, and kl_to's kernels (the reference's row
+sums, the Hopper backward's KL form).
 
-    compute-sanitizer --tool memcheck python3 tests/gpu/sanitize_cases.py
+    compute-sanitizer --tool memcheck python3 tests/gpu/sanitize_cases.py [kl]
+
+(`kl`: only kl_to's calls.)
 """
+import sys
+
 import torch
 
 import sdpa_math
@@ -54,7 +59,29 @@ def stats(dtype, B, Hq, Hkv, L, S, E, Ev, causal=False, mask=False, rows=None, c
                     row_entropy=True, rows=rows)
 
 
+def kl(dtype, B, Hq, Hkv, L, S, E, causal=False):
+    """kl_to alone with a gradient: on Hopper the fused path (row sums, r K, the KL backward form)."""
+    gen = torch.Generator(device="cuda").manual_seed(L * 1000 + S + 2)
+    q, k, v = (torch.randn(B, h, n, E, device="cuda", dtype=dtype, generator=gen).requires_grad_(True)
+               for h, n in ((Hq, L), (Hkv, S), (Hkv, S)))
+    r = torch.softmax(torch.randn(B, Hq, L, S, device="cuda", generator=gen), -1)
+    if causal:
+        r = torch.softmax(torch.randn(B, Hq, L, S, device="cuda", generator=gen).masked_fill(
+            torch.ones(L, S, dtype=torch.bool, device="cuda").triu(1), float("-inf")), -1)
+    out, st = attention_stats(q, k, v, is_causal=causal, enable_gqa=Hq != Hkv, kl_to=r.to(dtype))
+    torch.autograd.grad(st["kl_to"].sum() * 1e-4, (q, k))
+
+
 def main():
+    for dtype in (torch.float16, torch.bfloat16):
+        kl(dtype, 1, 2, 2, 100, 136, 64)
+        kl(dtype, 2, 4, 2, 130, 200, 128, causal=True)
+        kl(dtype, 1, 2, 2, 1, 64, 80)
+        kl(dtype, 2, 4, 2, 70, 90, 64, causal=True)  # 180-byte reference rows: loaded in pairs
+    if sys.argv[1:] == ["kl"]:
+        torch.cuda.synchronize()
+        print("sanitize_cases: kl_to's calls finished")
+        return
     for dtype in (torch.float16, torch.bfloat16):
         stats(dtype, 1, 2, 2, 130, 200, 64, 64, rows=slice(-3, None))
         stats(dtype, 2, 4, 2, 190, 250, 128, 96, mask=True, rows=slice(1, None, 37))

@@ -295,6 +295,73 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_kernel(
   });
 }
 
+// kl_to's pieces (sdpa_math::kl_reference_rows, kl_backward; python/sdpa_math/stats.py uses them
+// on CUDA where kl_backward_has_kernel says so). kl_reference_rows returns R, H = Σ r log r and
+// the causally hidden mass per row, in float32 (float64 for a float64 reference).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> kl_reference_rows_kernel(const at::Tensor& reference, bool is_causal) {
+  return checked([&] {
+    const at::OptionalDeviceGuard guard(at::device_of(reference));
+    TORCH_CHECK(reference.dim() >= 2, "kl_reference_rows: reference must have at least 2 dims, got ", reference.dim());
+    const auto stat = reference.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+    std::vector<int64_t> rows(reference.sizes().begin(), reference.sizes().end() - 1);
+    at::Tensor R = at::empty(rows, reference.options().dtype(stat)), H = at::empty(rows, reference.options().dtype(stat)),
+               M = at::empty(rows, reference.options().dtype(stat));
+    poison({&R, &H, &M});
+    sdpa_math::kl_reference_rows(backend_for(reference), view_of(reference), is_causal, view_of(R), view_of(H), view_of(M),
+                                 cuda_execution(reference));
+    return std::make_tuple(R, H, M);
+  });
+}
+
+sdpa_math::KlBackwardArgs kl_backward_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool is_causal,
+                                           std::optional<double> scale, bool enable_gqa, const at::Tensor& logsumexp,
+                                           const at::Tensor& reference, const at::Tensor& ref_row_sum,
+                                           const at::Tensor& grad_kl) {
+  sdpa_math::KlBackwardArgs a;
+  a.forward = forward_args(q, k, v, std::nullopt, 0.0, is_causal, std::nullopt, scale, enable_gqa, std::nullopt);
+  a.logsumexp = view_of(logsumexp);
+  a.reference = view_of(reference);
+  a.ref_row_sum = view_of(ref_row_sum);
+  a.grad_kl = view_of(grad_kl);
+  return a;
+}
+
+// dQ and dK of Σ_i g_i KL(r_i ‖ P_i) (either may be skipped by output_mask; an empty (0,) tensor
+// then). No mask: kl_to with a mask keeps the Python composition.
+std::tuple<at::Tensor, at::Tensor> kl_backward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                      bool is_causal, std::optional<double> scale, bool enable_gqa,
+                                                      const at::Tensor& logsumexp, const at::Tensor& reference,
+                                                      const at::Tensor& ref_row_sum, const at::Tensor& grad_kl,
+                                                      std::array<bool, 2> output_mask) {
+  return checked([&] {
+    const at::OptionalDeviceGuard guard(at::device_of(q));
+    const sdpa_math::KlBackwardArgs a =
+        kl_backward_args(q, k, v, is_causal, scale, enable_gqa, logsumexp, reference, ref_row_sum, grad_kl);
+    if (q.is_cuda() && at::globalContext().deterministicAlgorithms()) {
+      (void)sdpa_math::forward_shapes(a.forward);  // bad input gets its own error first
+      at::globalContext().alertNotDeterministic("sdpa_math::kl_backward on CUDA");  // dQ's float reductions
+    }
+    at::Tensor gq, gk;
+    sdpa_math::BackwardOutputs out;
+    if (output_mask[0]) { gq = at::empty_like(q, at::MemoryFormat::Contiguous); out.grad_query = view_of(gq); }
+    if (output_mask[1]) { gk = at::empty_like(k, at::MemoryFormat::Contiguous); out.grad_key = view_of(gk); }
+    poison({&gq, &gk});
+    sdpa_math::kl_backward(backend_for(q), a, out, cuda_execution(q));
+    auto or_empty = [&](const at::Tensor& t) { return t.defined() ? t : at::empty({0}, q.options()); };
+    return std::make_tuple(or_empty(gq), or_empty(gk));
+  });
+}
+
+bool kl_backward_has_kernel_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool is_causal,
+                               std::optional<double> scale, bool enable_gqa, const at::Tensor& logsumexp,
+                               const at::Tensor& reference, const at::Tensor& ref_row_sum, const at::Tensor& grad_kl) {
+  return checked([&] {
+    const at::OptionalDeviceGuard guard(at::device_of(q));
+    return sdpa_math::kl_backward_has_kernel(
+        backend_for(q), kl_backward_args(q, k, v, is_causal, scale, enable_gqa, logsumexp, reference, ref_row_sum, grad_kl));
+  });
+}
+
 // The level of the CPU kernels (src/cpu/isa.h): which copy runs, which this build and CPU have.
 std::string cpu_isa() { return checked([] { return std::string(sdpa_math::cpu_isa()); }); }
 std::string cpu_isas_available() { return sdpa_math::cpu_isas_available(); }
@@ -335,6 +402,13 @@ TORCH_LIBRARY(sdpa_math, m) {
   m.def(
       "forward_stats_has_kernel(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, bool is_causal, float? scale, "
       "bool enable_gqa, bool col_sum, bool row_entropy, int rows_count) -> bool");
+  m.def("kl_reference_rows(Tensor reference, bool is_causal) -> (Tensor row_sum, Tensor row_xlogx, Tensor hidden_mass)");
+  m.def(
+      "kl_backward(Tensor query, Tensor key, Tensor value, bool is_causal, float? scale, bool enable_gqa, Tensor logsumexp, "
+      "Tensor reference, Tensor ref_row_sum, Tensor grad_kl, bool[2] output_mask) -> (Tensor grad_query, Tensor grad_key)");
+  m.def(
+      "kl_backward_has_kernel(Tensor query, Tensor key, Tensor value, bool is_causal, float? scale, bool enable_gqa, "
+      "Tensor logsumexp, Tensor reference, Tensor ref_row_sum, Tensor grad_kl) -> bool");
 }
 
 TORCH_LIBRARY_IMPL(sdpa_math, CPU, m) {
@@ -342,6 +416,9 @@ TORCH_LIBRARY_IMPL(sdpa_math, CPU, m) {
   m.impl("backward", &backward_kernel);
   m.impl("forward_stats", &forward_stats_kernel);
   m.impl("forward_stats_has_kernel", &forward_stats_has_kernel_op);
+  m.impl("kl_reference_rows", &kl_reference_rows_kernel);
+  m.impl("kl_backward", &kl_backward_kernel);
+  m.impl("kl_backward_has_kernel", &kl_backward_has_kernel_op);
 }
 
 #ifdef SDPA_MATH_WITH_CUDA
@@ -350,6 +427,9 @@ TORCH_LIBRARY_IMPL(sdpa_math, CUDA, m) {
   m.impl("backward", &backward_kernel);
   m.impl("forward_stats", &forward_stats_kernel);
   m.impl("forward_stats_has_kernel", &forward_stats_has_kernel_op);
+  m.impl("kl_reference_rows", &kl_reference_rows_kernel);
+  m.impl("kl_backward", &kl_backward_kernel);
+  m.impl("kl_backward_has_kernel", &kl_backward_has_kernel_op);
 }
 #else
 // A build without a CUDA compiler: CUDA tensors get this instead of the dispatcher's "could not
@@ -363,5 +443,8 @@ TORCH_LIBRARY_IMPL(sdpa_math, CUDA, m) {
   m.impl("backward", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
   m.impl("forward_stats", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
   m.impl("forward_stats_has_kernel", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
+  m.impl("kl_reference_rows", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
+  m.impl("kl_backward", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
+  m.impl("kl_backward_has_kernel", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
 }
 #endif

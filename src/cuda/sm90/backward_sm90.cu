@@ -22,7 +22,18 @@
 //      reductions are contiguous) times scale, to the gradient.
 // dQ's reductions make its low bits depend on the order the CTAs finish (like FlashAttention's);
 // dK and dV are deterministic.
+//
+// The KL form (kl_to's gradient, docs/statistics.md) runs the same kernel without a saved P: for
+// the loss Σ_i g_i KL(r_i ‖ P_i) the gradient to the logits is dS = g (R P − r) with R_i = Σ_j r_ij,
+// so per tile the first product is S_w = Q K_wᵀ instead of dP_w = dO V_wᵀ, P = exp2(S·scale·log2 e
+// − lse·log2 e) is recomputed in fp32 from the saved lse, the reference's tile comes where dP_ext
+// does, and there is no dV. The stage's row slot holds three vectors per row (lse·log2 e, g R f,
+// g f, made by kl_rows_prep), f a power of two per key head that keeps fp16's dS out of the
+// subnormal range (1 for bf16), undone in fp32 on dK and dQ. No mask (causality only).
 #include <cudaTypedefs.h>
+
+#include <cstdint>
+#include <type_traits>
 
 #include "../launch.cuh"
 #include "../mma.cuh"
@@ -52,7 +63,7 @@ struct Tiles {
   static constexpr int kKVBytes = kBN * D * 2;       // K or V
   static constexpr int kStageBytes = 2 * kRowTileBytes + 2 * kMapTileBytes;
   static constexpr int kDsBlockBytes = kBM * 64 * 2;
-  static constexpr int kDeltaBytes = kBM * 4;  // per stage: the tile's delta
+  static constexpr int kDeltaBytes = 3 * kBM * 4;  // per stage: the tile's delta (KL form: three row vectors)
   static constexpr int kBarriers = 2 * kStages + 1;
   static constexpr size_t kSmem =
       1024 + 2 * kKVBytes + kStages * kStageBytes + 4 * kDsBlockBytes + kStages * kDeltaBytes + 8 * kBarriers;
@@ -70,6 +81,7 @@ struct Args {
   float scale;
   const float* delta;  // q_tiles * 64 floats per lead index (rows past L: 0)
   float* dq_acc;       // q_tiles * 64 * D floats per lead index, fragment order
+  const float* unscale;  // KL form: 1 / f per key head (dK and dQ), else nullptr
   void* dk;          // contiguous gradients in the inputs' dtype, or nullptr when not wanted
   void* dv;
 };
@@ -79,6 +91,12 @@ SDPA_MATH_HD int64_t query_lead(const Args& a, int64_t kv, int64_t gi) {
   if (a.group == 1) return kv;
   const int64_t kv_heads = a.heads / a.group;
   return (kv / kv_heads) * a.heads + (kv % kv_heads) * a.group + gi;
+}
+
+// The key head (index over kv_leads) that query lead index `lead` reads: query_lead's inverse.
+SDPA_MATH_HD int64_t kv_of_lead(int64_t lead, int64_t group, int64_t heads) {
+  if (group == 1) return lead;
+  return (lead / heads) * (heads / group) + (lead % heads) / group;
 }
 
 // dst[0..3] += (a, b, c, d) in L2, keeping the line there (`policy`: evict-last).
@@ -95,8 +113,8 @@ SDPA_MATH_D float2 unpack2(uint32_t raw) {
 }
 
 // HAS_DO: dO given (a compile-time choice: a run-time branch around the dP and dV products makes
-// ptxas serialise every wgmma of the kernel).
-template <typename T, int D, bool HAS_DO>
+// ptxas serialise every wgmma of the kernel). KL: the KL form (no P, no dO, no dV; see the top).
+template <typename T, int D, bool HAS_DO, bool KL>
 __global__ void __launch_bounds__(kThreads, 1)
     backward_sm90(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                   const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_do,
@@ -109,8 +127,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   T* sV = sK + kBN * D;
   unsigned char* stages = base + 2 * C::kKVBytes;
   T* sDS = reinterpret_cast<T*>(stages + C::kStages * C::kStageBytes);  // [buffer][warpgroup][64][64]
-  float* sDelta = reinterpret_cast<float*>(sDS + 4 * kBM * 64);  // [stage][64]
-  uint64_t* full = reinterpret_cast<uint64_t*>(sDelta + C::kStages * kBM);
+  float* sDelta = reinterpret_cast<float*>(sDS + 4 * kBM * 64);  // [stage][3][64]
+  uint64_t* full = reinterpret_cast<uint64_t*>(sDelta + C::kStages * 3 * kBM);
   uint64_t* empty = full + C::kStages;
   uint64_t* kv_full = empty + C::kStages;
   auto stage_q = [&](int st) { return reinterpret_cast<T*>(stages + st * C::kStageBytes); };
@@ -144,14 +162,19 @@ __global__ void __launch_bounds__(kThreads, 1)
       prefetch_tensor_map(&tm_p);
       int c[3];
       map_coords(a.k, query_lead(a, kv, 0), c);
-      mbar_arrive_expect_tx(kv_full, 2 * C::kKVBytes);
+      mbar_arrive_expect_tx(kv_full, (KL ? 1 : 2) * C::kKVBytes);  // the KL form reads no V
 #pragma unroll
       for (int b = 0; b < D / 64; ++b) tma_load_5d(sK + b * kBN * 64, &tm_k, kv_full, b * 64, static_cast<int>(j0), c[0], c[1], c[2]);
-      map_coords(a.v, query_lead(a, kv, 0), c);
+      if constexpr (!KL) {
+        map_coords(a.v, query_lead(a, kv, 0), c);
 #pragma unroll
-      for (int b = 0; b < D / 64; ++b) tma_load_5d(sV + b * kBN * 64, &tm_v, kv_full, b * 64, static_cast<int>(j0), c[0], c[1], c[2]);
-      const uint32_t bytes = C::kDeltaBytes + C::kRowTileBytes * (a.has_do ? 2 : 1) +
-                             (a.p_tma ? C::kMapTileBytes * (a.has_dp ? 2 : 1) : 0);
+        for (int b = 0; b < D / 64; ++b)
+          tma_load_5d(sV + b * kBN * 64, &tm_v, kv_full, b * 64, static_cast<int>(j0), c[0], c[1], c[2]);
+      }
+      // KL: three row vectors, Q and the reference's tile; else delta, Q, dO, P and dP_ext.
+      const uint32_t bytes = KL ? 3 * kBM * 4 + C::kRowTileBytes + (a.p_tma ? C::kMapTileBytes : 0)
+                                : kBM * 4 + C::kRowTileBytes * (a.has_do ? 2 : 1) +
+                                      (a.p_tma ? C::kMapTileBytes * (a.has_dp ? 2 : 1) : 0);
       // P and dP_ext are read once (this CTA's keys of each row): they should not push dQ's
       // accumulator and the Q and dO tiles (read by every key block) out of L2.
       const uint64_t stream_once = l2_policy_evict_first();
@@ -170,7 +193,14 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int i0 = static_cast<int>(qt * kBM);
           // delta through a tensor map like every other tile of the stage (a plain bulk copy works
           // too, but compute-sanitizer's racecheck does not see the stage's mbarriers order it).
-          tma_load_5d(sDelta + st * kBM, &tm_delta, &full[st], i0, static_cast<int>(lead), 0, 0, 0);
+          if constexpr (KL) {  // rows 0..n-1 of the map: lse, then g R f, then g f of every lead index
+#pragma unroll
+            for (int c = 0; c < 3; ++c)
+              tma_load_5d(sDelta + (st * 3 + c) * kBM, &tm_delta, &full[st], i0, static_cast<int>(c * p.num_lead + lead), 0,
+                          0, 0);
+          } else {
+            tma_load_5d(sDelta + st * 3 * kBM, &tm_delta, &full[st], i0, static_cast<int>(lead), 0, 0, 0);
+          }
 #pragma unroll
           for (int b = 0; b < D / 64; ++b) {
             tma_load_5d(stage_q(st) + b * kBM * 64, &tm_q, &full[st], b * 64, i0, cq[0], cq[1], cq[2]);
@@ -180,8 +210,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
           for (int b = 0; b < kBN / 64; ++b) {
             const int jb = static_cast<int>(j0) + b * 64;
-            tma_load_5d(stage_p(st) + b * kBM * 64, &tm_p, &full[st], jb, i0, cp[0], cp[1], cp[2], stream_once);
-            if (a.has_dp)
+            if (!KL) tma_load_5d(stage_p(st) + b * kBM * 64, &tm_p, &full[st], jb, i0, cp[0], cp[1], cp[2], stream_once);
+            if (KL || a.has_dp)
               tma_load_5d(stage_dp(st) + b * kBM * 64, &tm_dp, &full[st], jb, i0, cdp[0], cdp[1], cdp[2], stream_once);
           }
         }
@@ -196,10 +226,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   regs_claim<kConsumerRegs>();
   const int cw = wg - 1;
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
-  float dk[D / 2], dv[D / 2];
+  float dk[D / 2], dv[KL ? 1 : D / 2];
 #pragma unroll
-  for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.0f;
+  for (int i = 0; i < D / 2; ++i) dk[i] = 0.0f;
+#pragma unroll
+  for (int i = 0; i < (KL ? 1 : D / 2); ++i) dv[i] = 0.0f;
   const T* v_rows = sV + cw * 64 * 64;  // this warpgroup's 64 keys of each V column block
+  const T* k_rows = sK + cw * 64 * 64;  // and of each K column block (the KL form's S = Q Kᵀ)
+  const float scale_log2 = a.scale * 1.4426950408889634f;
   // dQ: this warpgroup's half of the columns (for D = 64 a half of the one 64-element block).
   const T* k_cols = D == 128 ? sK + cw * kBN * 64 : sK + cw * 32;
   constexpr int kDq = D / 4;  // dQ accumulators per thread: 64 rows x D/2 columns
@@ -216,7 +250,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int st = use % C::kStages;
     const int64_t i0 = qt * kBM;
     mbar_wait(&full[st], (use / C::kStages) & 1);
-    const float dl[2] = {sDelta[st * kBM + warp * 16 + g], sDelta[st * kBM + warp * 16 + g + 8]};
+    // Row vectors of this thread's rows: delta; KL: lse·log2 e, g R f, g f.
+    const float* rv = sDelta + st * 3 * kBM + warp * 16 + g;
+    const float dl[2] = {rv[0], rv[8]};
     const T* sQ = stage_q(st);
     const T* sDO = stage_do(st);
     T* p_blk = stage_p(st) + cw * kBM * 64;
@@ -231,7 +267,29 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     // dP_w = dO V_wᵀ, then dV_w += P_wᵀ dO; dS needs only the first.
     float dpv[32];
-    if constexpr (HAS_DO) {
+    if constexpr (KL) {  // S_w = Q K_wᵀ (both in shared memory, as dO V_wᵀ)
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const int b = kk / 4, off = (kk % 4) * 16;
+        Wgmma<T, 64>::template ss<0, 0>(dpv, desc_sw128(sQ + b * kBM * 64 + off, 16, 1024),
+                                        desc_sw128(k_rows + b * kBN * 64 + off, 16, 1024), kk > 0);
+      }
+      wgmma_commit();
+      if (!a.p_tma) {  // the reference's pairs from global memory (rows not 16-byte aligned) while S runs
+        const int64_t x_at = lead_off(p, p.grad_probs, lead);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int64_t i = i0 + warp * 16 + g + 8 * r;
+          const T* x_row = reinterpret_cast<const T*>(p.grad_probs.data) + x_at + i * p.grad_probs.row;
+#pragma unroll
+          for (int n = 0; n < 8; ++n) {
+            const int64_t j = j0 + cw * 64 + 8 * n + 2 * t;  // S is even: a pair is in or out whole
+            x_raw[n][r] = i < p.L && j < p.S ? load32(x_row + j) : 0u;
+          }
+        }
+      }
+    } else if constexpr (HAS_DO) {
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
@@ -241,7 +299,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       wgmma_commit();
     }
-    if (!a.p_tma) {  // P and dP_ext from global memory while dP runs; P into the stage for dV
+    if (!KL && !a.p_tma) {  // P and dP_ext from global memory while dP runs; P into the stage for dV
       const int64_t p_at = lead_off(p, p.probs, lead), x_at = a.has_dp ? lead_off(p, p.grad_probs, lead) : 0;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
@@ -260,7 +318,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       fence_proxy_async();
       named_barrier(1 + cw, 128);
     }
-    if constexpr (HAS_DO) {
+    if constexpr (KL) {
+      wgmma_wait<0>();
+      fence_regs(dpv);
+    } else if constexpr (HAS_DO) {
       fence_regs(dv);
       wgmma_fence();
 #pragma unroll
@@ -274,7 +335,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int i = 0; i < 32; ++i) dpv[i] = 0.0f;
     }
-    if (a.p_tma) {
+    if (!KL && a.p_tma) {
 #pragma unroll
       for (int n = 0; n < 8; ++n)
 #pragma unroll
@@ -284,15 +345,36 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
     }
 
-    // dS_w = P ∘ (dP + dP_ext − delta) into shared memory in the same swizzled layout.
+    if constexpr (KL) {
+      // dS_w = g R f · P − g f · r, P = exp2(S scale log2 e − lse log2 e) where the key exists and
+      // causality shows it (rows past L: lse = +inf and g = 0, so 0).
+      const float lse2[2] = {rv[0], rv[8]}, gr[2] = {rv[kBM], rv[kBM + 8]}, gf[2] = {rv[2 * kBM], rv[2 * kBM + 8]};
 #pragma unroll
-    for (int n = 0; n < 8; ++n)
+      for (int n = 0; n < 8; ++n)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float2 pv = unpack2<T>(p_raw[n][r]), ext = unpack2<T>(x_raw[n][r]);
-        const float d0 = dpv[4 * n + 2 * r] + ext.x - dl[r], d1 = dpv[4 * n + 2 * r + 1] + ext.y - dl[r];
-        *reinterpret_cast<uint32_t*>(ds_blk + swizzled(n, r)) = pack2<T>(pv.x * d0, pv.y * d1);
-      }
+        for (int r = 0; r < 2; ++r) {
+          const int64_t i = i0 + warp * 16 + g + 8 * r, j = j0 + cw * 64 + 8 * n + 2 * t;
+          const float2 ref = unpack2<T>(a.p_tma ? load32(dp_blk + swizzled(n, r)) : x_raw[n][r]);
+          float pr[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const bool seen = j + e < p.S && (!p.causal || j + e <= i);
+            pr[e] = seen ? exp2f(fmaf(dpv[4 * n + 2 * r + e], scale_log2, -lse2[r])) : 0.0f;
+          }
+          *reinterpret_cast<uint32_t*>(ds_blk + swizzled(n, r)) =
+              pack2<T>(fmaf(gr[r], pr[0], -gf[r] * ref.x), fmaf(gr[r], pr[1], -gf[r] * ref.y));
+        }
+    } else {
+      // dS_w = P ∘ (dP + dP_ext − delta) into shared memory in the same swizzled layout.
+#pragma unroll
+      for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const float2 pv = unpack2<T>(p_raw[n][r]), ext = unpack2<T>(x_raw[n][r]);
+          const float d0 = dpv[4 * n + 2 * r] + ext.x - dl[r], d1 = dpv[4 * n + 2 * r + 1] + ext.y - dl[r];
+          *reinterpret_cast<uint32_t*>(ds_blk + swizzled(n, r)) = pack2<T>(pv.x * d0, pv.y * d1);
+        }
+    }
     fence_proxy_async();  // the generic-proxy stores before the products' async-proxy reads
     named_barrier(1 + cw, 128);
 
@@ -323,7 +405,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma_wait<0>();
     fence_regs(dq);
     fence_regs(dk);
-    fence_regs(dv);
+    if constexpr (!KL) fence_regs(dv);
 
     float* dq_tile = dq_lead + qt * kBM * D + cw * (kBM * D / 2);
 #pragma unroll
@@ -335,8 +417,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
 
-  // dK (times scale) and dV of this warpgroup's keys, stored once in the inputs' dtype.
+  // dK (times scale; KL: and 1 / f) and dV of this warpgroup's keys, stored once in the inputs' dtype.
   const int64_t lead0 = query_lead(a, kv, 0);
+  const float dk_scale = a.unscale ? a.scale * a.unscale[kv] : a.scale;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int64_t j = j0 + cw * 64 + warp * 16 + g + 8 * r;
@@ -347,9 +430,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int n = 0; n < D / 8; ++n) {
       const int col = n * 8 + 2 * t;
       if (dk_row && col < p.E)
-        *reinterpret_cast<uint32_t*>(dk_row + col) = pack2<T>(dk[4 * n + 2 * r] * a.scale, dk[4 * n + 2 * r + 1] * a.scale);
-      if (dv_row && col < p.Ev)
-        *reinterpret_cast<uint32_t*>(dv_row + col) = pack2<T>(dv[4 * n + 2 * r], dv[4 * n + 2 * r + 1]);
+        *reinterpret_cast<uint32_t*>(dk_row + col) = pack2<T>(dk[4 * n + 2 * r] * dk_scale, dk[4 * n + 2 * r + 1] * dk_scale);
+      if constexpr (!KL)
+        if (dv_row && col < p.Ev)
+          *reinterpret_cast<uint32_t*>(dv_row + col) = pack2<T>(dv[4 * n + 2 * r], dv[4 * n + 2 * r + 1]);
     }
   }
 }
@@ -392,16 +476,61 @@ __global__ void delta_rows(const DevProblem p, float* delta, int64_t q_tiles) {
   if (valid && sub == 0) delta[lead * q_tiles * kBM + i] = acc;
 }
 
+// The KL form's row vectors, one block per (key head, 64-row query tile of its group). First f: for fp16 (SCALED) the power of two
+// that brings the group's largest finite |g| R to within [2^13, 2^14], so that dS = f g (R P − r),
+// at most f |g| R in size for a reference of non-negative rows, neither overflows fp16 nor sinks
+// into its subnormals (a mean over many rows makes g tiny); 1 for bf16 (fp32's range). Then per
+// query row of the group: lse·log2 e (+inf past L, so P = 0 there), f g R and f g (0 past L), at
+// rows c · num_lead + lead of the [3 · num_lead][q_tiles · 64] buffer; and 1 / f for dK and dQ.
+template <bool SCALED>
+__global__ void __launch_bounds__(256) kl_rows_prep(const DevProblem p, const Args a, const DevOperand row_sum,
+                                                    const DevOperand grad_kl, float* rows, float* unscale) {
+  // blockIdx.x: the key head; blockIdx.y: one 64-row query tile of one head of its group. Each
+  // block takes the group's max itself (G·L reads from L2), so no second launch waits on it.
+  const int64_t kv = blockIdx.x, width = a.q_tiles * kBM;
+  auto at = [&](const DevOperand& op, int64_t lead, int64_t i) {
+    return reinterpret_cast<const float*>(op.data)[lead_off(p, op, lead) + i * op.row];
+  };
+  float f = 1.0f;
+  if constexpr (SCALED) {
+    __shared__ float part[8];
+    float m = 0.0f;
+    for (int64_t gi = 0; gi < a.group; ++gi) {
+      const int64_t lead = query_lead(a, kv, gi);
+      for (int64_t i = threadIdx.x; i < p.L; i += blockDim.x) {
+        const float v = fabsf(at(grad_kl, lead, i) * at(row_sum, lead, i));
+        if (v <= 3.0e38f) m = fmaxf(m, v);  // finite only (false for NaN and inf)
+      }
+    }
+    for (int s = 16; s > 0; s >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, s));
+    if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = m;
+    __syncthreads();
+    m = part[0];
+    for (int w = 1; w < 8; ++w) m = fmaxf(m, part[w]);
+    if (m > 0.0f) f = exp2f(fminf(fmaxf(floorf(log2f(16384.0f / m)), -126.0f), 126.0f));
+  }
+  if (blockIdx.y == 0 && threadIdx.x == 0) unscale[kv] = 1.0f / f;
+  if (threadIdx.x >= kBM) return;
+  const int64_t lead = query_lead(a, kv, blockIdx.y / a.q_tiles), i = (blockIdx.y % a.q_tiles) * kBM + threadIdx.x;
+  const bool in = i < p.L;
+  const float g = in ? at(grad_kl, lead, i) : 0.0f;
+  rows[lead * width + i] = in ? at(p.lse, lead, i) * 1.4426950408889634f : INFINITY;
+  rows[(p.num_lead + lead) * width + i] = in ? f * g * at(row_sum, lead, i) : 0.0f;
+  rows[(2 * p.num_lead + lead) * width + i] = f * g;
+}
+
 // dQ = scale times the accumulator, one 64-row tile a block: the tile's accumulators (fragment
 // order, contiguous) into shared memory row by row, then out in 16-byte chunks of the gradient's
 // rows (E is a multiple of 8), so both reads and writes are coalesced.
 template <typename T, int D>
 __global__ void __launch_bounds__(256) dq_from_fragments(const DevProblem p, const float* acc, T* dq, float scale,
-                                                         int64_t q_tiles) {
+                                                         int64_t q_tiles, const float* unscale, int64_t group,
+                                                         int64_t heads) {
   constexpr int kLd = D + 4;  // floats a shared row (the padding spreads a column's banks)
   constexpr int kGroups = D / 16;  // 4-float groups per thread and warpgroup half
   __shared__ float tile[kBM * kLd];
   const int64_t lead = blockIdx.x / q_tiles, i0 = (blockIdx.x % q_tiles) * kBM;
+  if (unscale) scale *= unscale[kv_of_lead(lead, group, heads)];
   const float4* src = reinterpret_cast<const float4*>(acc) + static_cast<int64_t>(blockIdx.x) * (kBM * D / 4);
   for (int x = threadIdx.x; x < kBM * D / 4; x += 256) {
     const float4 v = src[x];
@@ -425,7 +554,7 @@ __global__ void __launch_bounds__(256) dq_from_fragments(const DevProblem p, con
   }
 }
 
-template <typename T, int D>
+template <typename T, int D, bool KL>
 void launch(const CUtensorMap (&maps)[7], const DevProblem& p, const Args& a, const BackwardTargets& out,
             cudaStream_t stream) {
   const int64_t key_blocks = (p.S + kBN - 1) / kBN;
@@ -436,13 +565,15 @@ void launch(const CUtensorMap (&maps)[7], const DevProblem& p, const Args& a, co
   const unsigned dq_grid = grid_x(out.dq ? p.num_lead * a.q_tiles : 0, "sm90 dQ conversion");
   if (a.group * a.q_tiles > 2147483647LL)
     throw Error(ErrorCode::CudaFailure, "too many query tiles in one GQA group for the sm90 backward");
-  const auto kernel = a.has_do ? &backward_sm90<T, D, true> : &backward_sm90<T, D, false>;
+  const auto kernel = KL ? &backward_sm90<T, D, false, true>
+                          : a.has_do ? &backward_sm90<T, D, true, false> : &backward_sm90<T, D, false, false>;
   set_smem_limit(reinterpret_cast<const void*>(kernel), Tiles<D>::kSmem);
   kernel<<<grid, kThreads, Tiles<D>::kSmem, stream>>>(maps[0], maps[1], maps[2], maps[3], maps[4], maps[5], maps[6], p,
                                                      a);
   check_launch("sm90 backward");
   if (out.dq) {
-    dq_from_fragments<T, D><<<dq_grid, 256, 0, stream>>>(p, a.dq_acc, static_cast<T*>(out.dq), a.scale, a.q_tiles);
+    dq_from_fragments<T, D><<<dq_grid, 256, 0, stream>>>(p, a.dq_acc, static_cast<T*>(out.dq), a.scale, a.q_tiles,
+                                                         a.unscale, a.group, a.heads);
     check_launch("sm90 dQ conversion");
   }
 }
@@ -477,6 +608,7 @@ bool backward_for(const DevProblem& p, const BackwardTargets& out, float* worksp
   a.delta = delta;
   if (!make_rows_map_f32(&maps[6], delta, a.q_tiles * kBM, p.num_lead, kBM)) return false;
   a.dq_acc = workspace + backward_delta_floats(p);
+  a.unscale = nullptr;
   a.dk = out.dk;
   a.dv = out.dv;
 
@@ -492,9 +624,68 @@ bool backward_for(const DevProblem& p, const BackwardTargets& out, float* worksp
                                      : (vec ? &delta_rows<T, true, 4> : &delta_rows<T, false, 4>);
   delta_kernel<<<delta_grid, 256, 0, stream>>>(p, delta, a.q_tiles);
   check_launch("sm90 delta");
-  if (D == 64) launch<T, 64>(maps, p, a, out, stream);
-  else launch<T, 128>(maps, p, a, out, stream);
+  if (D == 64) launch<T, 64, false>(maps, p, a, out, stream);
+  else launch<T, 128, false>(maps, p, a, out, stream);
   return true;
+}
+
+// Floats of the KL form's workspace before dQ's accumulator: the row vectors, then 1 / f per key
+// head (rounded up to 4 floats, so the accumulator stays 16-byte aligned for its reductions).
+int64_t kl_rows_floats(const DevProblem& p) {
+  const int64_t kv_leads = p.num_lead / p.k.head_group;
+  return 3 * p.num_lead * ((p.L + kBM - 1) / kBM) * kBM + (kv_leads + 3) / 4 * 4;
+}
+
+template <typename T>
+bool kl_backward_for(const DevProblem& p, const KlInputs& in, const BackwardTargets& out, float* workspace,
+                     cudaStream_t stream) {
+  Args a{};
+  a.has_do = false;
+  a.has_dp = true;
+  CUtensorMap maps[7] = {};
+  const int64_t D = padded_head(p.E);
+  if (!make_map(&maps[0], p, p.q, p.L, p.E, kBM, a.q) || !make_map(&maps[1], p, p.k, p.S, p.E, kBN, a.k)) return false;
+  // The reference through TMA where its rows allow, else the consumers load it as 4-byte pairs.
+  a.p_tma = make_map(&maps[5], p, in.reference, p.L, p.S, kBM, a.dp);
+  if (!a.p_tma && !rows_vectorizable(in.reference, p.lead_ndim, p.S, 2, 2)) return false;
+  if (!a.p_tma) maps[5] = maps[0];
+  maps[2] = maps[1];  // V, dO and P: not read in the KL form
+  maps[3] = maps[4] = maps[0];
+  DevProblem pk = p;  // the kernel finds the reference where the ordinary backward finds dP_ext
+  pk.grad_probs = in.reference;
+  a.group = p.k.head_group;
+  a.heads = p.lead_ndim > 0 ? p.lead_shape[p.lead_ndim - 1] : 1;
+  a.kv_leads = p.num_lead / a.group;
+  a.q_tiles = (p.L + kBM - 1) / kBM;
+  a.scale = static_cast<float>(p.scale);
+  float* rows = workspace;
+  float* unscale = rows + 3 * p.num_lead * a.q_tiles * kBM;
+  if (!make_rows_map_f32(&maps[6], rows, a.q_tiles * kBM, 3 * p.num_lead, kBM)) return false;
+  a.delta = rows;
+  a.unscale = unscale;
+  a.dq_acc = workspace + kl_rows_floats(p);
+  a.dk = out.dk;
+  a.dv = nullptr;
+  const dim3 prep_grid(grid_x(a.kv_leads, "sm90 KL rows"), grid_yz(a.group * a.q_tiles, "sm90 KL rows"));
+  if (std::is_same_v<T, __half>)
+    kl_rows_prep<true><<<prep_grid, 256, 0, stream>>>(p, a, in.row_sum, in.grad_kl, rows, unscale);
+  else
+    kl_rows_prep<false><<<prep_grid, 256, 0, stream>>>(p, a, in.row_sum, in.grad_kl, rows, unscale);
+  check_launch("sm90 KL rows");
+  if (D == 64) launch<T, 64, true>(maps, pk, a, out, stream);
+  else launch<T, 128, true>(maps, pk, a, out, stream);
+  return true;
+}
+
+// q and k as both backwards take them: unit column stride, not broadcast over lead dims other
+// than GQA's group (the gradients are stored, not summed over broadcast dims).
+bool qk_stored_per_head(const DevProblem& p) {
+  if (p.lead_ndim == 0 && p.k.head_group != 1) return false;
+  for (int d = 0; d < p.lead_ndim; ++d) {
+    if (p.lead_shape[d] == 1) continue;
+    if (p.q.dense_lead[d] == 0 || p.k.dense_lead[d] == 0) return false;
+  }
+  return p.q.dense_col == 1 && p.k.dense_col == 1;
 }
 
 }  // namespace
@@ -508,12 +699,9 @@ bool backward_applies(const DevProblem& p) {
   if (p.E % 8 != 0 || p.Ev % 8 != 0) return false;
   // Each query row belongs to one lead index and each key row to one key head (GQA groups the
   // last lead dim): the gradients are stored, not summed over broadcast dims.
-  if (p.k.head_group != p.v.head_group || (p.lead_ndim == 0 && p.k.head_group != 1)) return false;
-  for (int d = 0; d < p.lead_ndim; ++d) {
-    if (p.lead_shape[d] == 1) continue;
-    if (p.q.dense_lead[d] == 0 || p.k.dense_lead[d] == 0 || p.v.dense_lead[d] == 0) return false;
-  }
-  if (p.q.dense_col != 1 || p.k.dense_col != 1 || p.v.dense_col != 1) return false;
+  if (p.k.head_group != p.v.head_group || !qk_stored_per_head(p) || p.v.dense_col != 1) return false;
+  for (int d = 0; d < p.lead_ndim; ++d)
+    if (p.lead_shape[d] != 1 && p.v.dense_lead[d] == 0) return false;
   return p.L > 0 && p.S > 0 && p.L <= 2147483647LL && p.S <= 2147483647LL && device_supported();
 }
 
@@ -526,6 +714,41 @@ int64_t backward_workspace_floats(const DevProblem& p) {
 bool backward(const DevProblem& p, const BackwardTargets& out, float* workspace, cudaStream_t stream) {
   if (p.q.dtype == DType::Float16) return backward_for<__half>(p, out, workspace, stream);
   return backward_for<__nv_bfloat16>(p, out, workspace, stream);
+}
+
+const char* kl_backward_declines(const DevProblem& p, const KlInputs& in) {
+  if (p.q.dtype != DType::Float16 && p.q.dtype != DType::BFloat16) return "the inputs are not float16 or bfloat16";
+  if (p.dropout != Dropout::None || p.mask.data != nullptr) return "there is dropout or a mask";
+  if (in.reference.dtype != p.q.dtype) return "the reference map's dtype is not the inputs'";
+  if (p.lse.dtype != DType::Float32 || in.row_sum.dtype != DType::Float32 || in.grad_kl.dtype != DType::Float32)
+    return "the lse, the reference's row sums or the KL's gradient are not float32";
+  if (p.E <= 0 || p.E > 128 || p.E % 8 != 0) return "the head size is not a multiple of 8 up to 128";
+  if (!qk_stored_per_head(p)) return "q or k is broadcast over batch dims or has a non-unit column stride";
+  if (!(p.L > 0 && p.S > 0 && p.L <= 2147483647LL && p.S <= 2147483647LL)) return "L or S is 0 or above 2^31";
+  if (!device_supported()) return "the device is not a Hopper GPU (or SDPA_MATH_SM90=0)";
+  // What TMA must address: q, k and the reference as they are (the row vectors live in the
+  // workspace, aligned as any allocation; a placeholder address stands for it here).
+  CUtensorMap map;
+  MapCoords mc;
+  const int64_t q_tiles = (p.L + kBM - 1) / kBM;
+  if (!make_map(&map, p, p.q, p.L, p.E, kBM, mc) || !make_map(&map, p, p.k, p.S, p.E, kBN, mc))
+    return "the TMA unit cannot address q or k";
+  if (!make_map(&map, p, in.reference, p.L, p.S, kBM, mc) && !rows_vectorizable(in.reference, p.lead_ndim, p.S, 2, 2))
+    return "the reference's rows are not 4-byte aligned";
+  if (!make_rows_map_f32(&map, reinterpret_cast<const float*>(std::uintptr_t{256}), q_tiles * kBM, 3 * p.num_lead, kBM))
+    return "the TMA unit cannot address the row vectors";
+  return nullptr;
+}
+
+bool kl_backward_applies(const DevProblem& p, const KlInputs& in) { return kl_backward_declines(p, in) == nullptr; }
+
+int64_t kl_backward_workspace_floats(const DevProblem& p) {
+  return kl_rows_floats(p) + p.num_lead * ((p.L + kBM - 1) / kBM) * kBM * padded_head(p.E);
+}
+
+bool kl_backward(const DevProblem& p, const KlInputs& in, const BackwardTargets& out, float* workspace, cudaStream_t stream) {
+  if (p.q.dtype == DType::Float16) return kl_backward_for<__half>(p, in, out, workspace, stream);
+  return kl_backward_for<__nv_bfloat16>(p, in, out, workspace, stream);
 }
 
 }  // namespace sdpa_math::cuda::sm90

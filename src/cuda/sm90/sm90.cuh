@@ -57,4 +57,20 @@ int64_t backward_workspace_floats(const DevProblem& p);
 int64_t backward_delta_floats(const DevProblem& p);
 bool backward(const DevProblem& p, const BackwardTargets& out, float* workspace, cudaStream_t stream);
 
+// kl_to's gradient without P (backward_sm90.cu's KL form): dQ and dK of Σ_i g_i KL(r_i ‖ P_i),
+// P recomputed from the lse in p.lse. The reference r has P's shape and the inputs' dtype; its
+// row sums R and the incoming gradient g are fp32 rows shaped like the lse.
+struct KlInputs {
+  DevOperand reference, row_sum, grad_kl;
+};
+// fp16/bf16 without dropout or a mask (causal allowed), head size E up to 128 (a multiple of 8),
+// q and k as backward_applies asks and TMA-addressable (it encodes their maps), r either
+// TMA-addressable or with 4-byte aligned rows (S even).
+bool kl_backward_applies(const DevProblem& p, const KlInputs& in);
+// Why it does not apply, for the error message; nullptr when it does.
+const char* kl_backward_declines(const DevProblem& p, const KlInputs& in);
+// fp32 workspace, zeroed by the caller: row vectors, 1 / f per key head, dQ's accumulator.
+int64_t kl_backward_workspace_floats(const DevProblem& p);
+bool kl_backward(const DevProblem& p, const KlInputs& in, const BackwardTargets& out, float* workspace, cudaStream_t stream);
+
 }  // namespace sdpa_math::cuda::sm90
