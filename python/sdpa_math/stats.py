@@ -275,6 +275,30 @@ def _add(a, b):
     return b if a is None else a + b
 
 
+def _o_grads_by_chunks(q, k, v, o, lse, d_o, is_causal, scale, enable_gqa, wants, chunk_rows=None):
+    """[dQ, dK, dV] of Σ d_o · O (None where not wanted) through the operator's backward, one
+    chunk of query rows at a time with the chunk's P recomputed (at most CHUNK_BYTES of it, as the
+    chunked path holds; a causal chunk gets its rows of the top-left mask): a whole-problem P here
+    would be an L×S buffer per head in the backward of the path that never forms P otherwise."""
+    L, S = q.shape[-2], k.shape[-2]
+    rows = chunk_rows or default_chunk_rows(math.prod(lse.shape[:-1]), S, q.element_size(), L)
+    mask_wants = [*wants, False]
+    dqs, dk, dv = [], None, None
+    for i0 in range(0, L, rows):
+        i1 = min(L, i0 + rows)
+        m = _causal_rows(i0, i1, S, q.device) if is_causal else None
+        q_c = q[..., i0:i1, :]
+        _, p_c, _ = ops.forward(q_c, k, v, m, 0.0, False, None, scale, enable_gqa, None)
+        dq_c, dk_c, dv_c, _ = ops.backward(d_o[..., i0:i1, :], None, q_c, k, v, m, lse[..., i0:i1], o[..., i0:i1, :],
+                                           p_c, 0.0, False, None, scale, enable_gqa, None, mask_wants)
+        del p_c
+        if wants[0]:
+            dqs.append(dq_c)
+        dk = _add(dk, dk_c) if wants[1] else None
+        dv = _add(dv, dv_c) if wants[2] else None
+    return [torch.cat(dqs, dim=-2) if wants[0] else None, dk, dv]
+
+
 def _ref_logit_sums(r, q, k, scale, enable_gqa):
     """Σ_j r_ij x_ij per row of the unmasked logits x = scale q kᵀ, in fp32, as scale · q_i · (r K)_i:
     one product of the reference with K (fp32 results on the tensor cores, a GQA group's rows
@@ -289,15 +313,40 @@ def _ref_logit_sums(r, q, k, scale, enable_gqa):
     return u.mul_(q).sum(-1).mul_(s)
 
 
+def _ref_product_view(r, k, enable_gqa):
+    """r (P's shape) as the batched matrices of _ref_logit_sums' product r K (a GQA group's rows
+    stacked), or None where that would copy r: lead dims that do not merge (a reference broadcast
+    over heads or batches, a (B, L, H, S) layout) or rows cuBLAS cannot take as they are."""
+    lead, (L, S) = r.shape[:-2], r.shape[-2:]
+    if r.stride(-1) != 1 or r.stride(-2) < S:
+        return None
+    try:
+        if enable_gqa and k.dim() >= 3 and len(lead) >= 1 and lead[-1] != k.shape[-3]:
+            hkv = k.shape[-3]
+            return r.view(lead[:-1] + (hkv, lead[-1] // hkv * L, S))
+        return r.view((-1, L, S))
+    except RuntimeError:
+        return None
+
+
 def _kl_fused_applies(q, k, v, m, ref, is_causal, scale, enable_gqa, lead):
     """Whether kl_to runs whole on the CUDA kernels (_KLFused): fp16/bf16 on CUDA, no mask, the
-    reference in the inputs' dtype and not itself differentiated, and the Hopper backward's KL
-    form takes the layout (torch.ops.sdpa_math.kl_backward_has_kernel, asked with placeholder rows)."""
+    reference in the inputs' dtype and not itself differentiated, laid out so that r K needs no
+    copy of it; the statistics kernel takes the inputs (O and lse without P) and the Hopper
+    backward's KL form takes the layout (torch.ops.sdpa_math.kl_backward_has_kernel, asked with
+    placeholder rows). Not under torch.use_deterministic_algorithms(True) with a gradient: the
+    KL form adds dQ with float atomics, while _KLChunk's products are deterministic."""
     if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and m is None and ref.dtype == q.dtype
             and _BMM_HAS_OUT_DTYPE and not _tracked(ref)):
         return False
+    if _tracked(q, k, v) and torch.are_deterministic_algorithms_enabled():
+        return False
     L, S = q.shape[-2], k.shape[-2]
     r = ref.expand(lead + (L, S))
+    if _ref_product_view(r, k, enable_gqa) is None:
+        return False
+    if not ops.forward_stats_has_kernel(q, k, v, None, is_causal, scale, enable_gqa, False, False, 0):
+        return False
     rows = q.new_empty(lead + (L,), dtype=torch.float32)
     return ops.kl_backward_has_kernel(q, k, v, is_causal, scale, enable_gqa, rows, r, rows, rows)
 
@@ -305,19 +354,16 @@ def _kl_fused_applies(q, k, v, m, ref, is_causal, scale, enable_gqa, lead):
 class _KLFused(torch.autograd.Function):
     """kl_to alone on CUDA, whole (no chunks), P never formed: returns (O, KL).
 
-    Forward: O and lse from the statistics kernel with nothing asked (one pass, P not written;
-    the forward kernel where that does not apply), the reference's row sums R, Σ r log r and the
-    causally hidden mass from one streaming pass (kl_reference_rows), and Σ_j r x from r K
-    (_ref_logit_sums): KL = Σ r log r − Σ r x + R lse (+inf where r has mass on a hidden key).
-    Backward: dQ and dK from the Hopper backward's KL form (dS = g (R P − r) with P recomputed
-    from the lse per tile); O's gradient, when the loss uses O, through the operator's backward."""
+    Forward: O and lse from the statistics kernel with nothing asked (one pass, P not written),
+    the reference's row sums R, Σ r log r and the causally hidden mass from one streaming pass
+    (kl_reference_rows), and Σ_j r x from r K (_ref_logit_sums): KL = Σ r log r − Σ r x + R lse
+    (+inf where r has mass on a hidden key). Backward: dQ and dK from the Hopper backward's KL
+    form (dS = g (R P − r) with P recomputed from the lse per tile); O's gradient, when the loss
+    uses O, through the operator's backward a chunk of query rows at a time (_o_grads_by_chunks)."""
 
     @staticmethod
     def forward(ctx, q, k, v, ref, is_causal, scale, enable_gqa):
-        if ops.forward_stats_has_kernel(q, k, v, None, is_causal, scale, enable_gqa, False, False, 0):
-            o, lse, *_ = ops.forward_stats(q, k, v, None, is_causal, scale, enable_gqa, False, False, 0, 0, 1)
-        else:
-            o, _, lse = ops.forward(q, k, v, None, 0.0, is_causal, None, scale, enable_gqa, None)
+        o, lse, *_ = ops.forward_stats(q, k, v, None, is_causal, scale, enable_gqa, False, False, 0, 0, 1)
         R, H, hidden = ops.kl_reference_rows(ref, is_causal)
         kl = H.sub_(_ref_logit_sums(ref, q, k, scale, enable_gqa)).add_(torch.where(R > 0, R * lse, 0.0))
         kl.masked_fill_(hidden > 0, float("inf"))
@@ -333,11 +379,8 @@ class _KLFused(torch.autograd.Function):
         is_causal, scale, enable_gqa = ctx.meta
         want_q, want_k, want_v = ctx.needs_input_grad[:3]
         grads = [None] * 3
-        if d_o is not None and (want_q or want_k or want_v):  # O's own gradient, from a recomputed P
-            _, p, _ = ops.forward(q, k, v, None, 0.0, is_causal, None, scale, enable_gqa, None)
-            dq, dk, dv, _ = ops.backward(d_o, None, q, k, v, None, lse, o, p, 0.0, is_causal, None, scale, enable_gqa,
-                                         None, [want_q, want_k, want_v, False])
-            grads = [t if want else None for t, want in zip((dq, dk, dv), (want_q, want_k, want_v))]
+        if d_o is not None and (want_q or want_k or want_v):  # O's own gradient
+            grads = _o_grads_by_chunks(q, k, v, o, lse, d_o, is_causal, scale, enable_gqa, (want_q, want_k, want_v))
         if g is not None and (want_q or want_k):
             dq, dk = ops.kl_backward(q, k, v, is_causal, scale, enable_gqa, lse, ref, R, g.float(), [want_q, want_k])
             grads[0] = _add(grads[0], dq) if want_q else grads[0]

@@ -353,6 +353,9 @@ void check_kl_reference_rows(const TensorView& r, const TensorView& row_sum, con
   check_view(row_sum, "row_sum", rows, true, r.device, ErrorCode::BadOutput);
   check_view(row_xlogx, "row_xlogx", rows, true, r.device, ErrorCode::BadOutput);
   check_view(hidden_mass, "hidden_mass", rows, true, r.device, ErrorCode::BadOutput);
+  if (row_xlogx.dtype != row_sum.dtype || hidden_mass.dtype != row_sum.dtype)
+    fail(ErrorCode::BadOutput, "row_sum, row_xlogx and hidden_mass must have one dtype, got ", dtype_name(row_sum.dtype),
+         ", ", dtype_name(row_xlogx.dtype), " and ", dtype_name(hidden_mass.dtype));
 }
 
 }  // namespace sdpa_math::core

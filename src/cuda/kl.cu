@@ -1,7 +1,7 @@
 // kl_to's row sums of the reference map on any GPU (attention.h, kl_reference_rows): per row of r,
 // R = Σ_j r, H = Σ_j r log r (0 log 0 = 0) and, under causality, the mass on hidden keys. One warp
 // a row; 16-byte loads where the rows allow (16-bit r, unit column stride, 16-byte aligned rows),
-// so a long row streams at copy bandwidth. fp32 accumulation (fp64 for an fp64 reference).
+// so a long row streams at copy bandwidth. Sums in the outputs' dtype (fp32, or fp64).
 #include <cuda_runtime.h>
 
 #include "backend.h"
@@ -114,13 +114,9 @@ void rows_for(const TensorView& r, const RowsLayout& d, const TensorView (&outs)
 
 void kl_reference_rows(const TensorView& r, bool is_causal, const TensorView& row_sum, const TensorView& row_xlogx,
                        const TensorView& hidden_mass, const CudaExecution& ex) {
-  const TensorView outs[3] = {row_sum, row_xlogx, hidden_mass};
+  const TensorView outs[3] = {row_sum, row_xlogx, hidden_mass};  // one dtype (the core checked)
   if (row_sum.numel() == 0) return;
-  if (row_sum.dtype != row_xlogx.dtype || row_sum.dtype != hidden_mass.dtype)
-    throw Error(ErrorCode::BadOutput, "row_sum, row_xlogx and hidden_mass must have one dtype");
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), "reading the current device");
-  if (r.device.index >= 0 && r.device.index != device) check_cuda(cudaSetDevice(r.device.index), "cudaSetDevice");
+  DeviceGuard guard(r.device.index);
   RowsLayout d;
   d.nd = r.ndim();
   for (int k = 0; k < d.nd; ++k) {
@@ -133,7 +129,6 @@ void kl_reference_rows(const TensorView& r, bool is_causal, const TensorView& ro
   auto stream = static_cast<cudaStream_t>(ex.stream);
   if (row_sum.dtype == DType::Float64) rows_for<double>(r, d, outs, rows, is_causal, stream);
   else rows_for<float>(r, d, outs, rows, is_causal, stream);
-  if (r.device.index >= 0 && r.device.index != device) cudaSetDevice(device);
 }
 
 }  // namespace sdpa_math::cuda

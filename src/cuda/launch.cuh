@@ -20,6 +20,33 @@ inline void check_launch(const char* kernel) {
   check_cuda(cudaGetLastError(), (std::string("launching the ") + kernel + " kernel").c_str());
 }
 
+// Runs on the tensors' device, its primary context current on this thread; restores the
+// caller's current device.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int index) {
+    check_cuda(cudaGetDevice(&previous_), "cudaGetDevice");
+    // cudaSetDevice even when the device is already the current one: a thread that has made no
+    // runtime call that needs a context yet (autograd's device thread, when our backward is the
+    // first op it runs) reports device 0 with no context bound, and the driver's tensor-map
+    // encoder then fails, so the Hopper kernels were declined there (run v56: kl_to's backward
+    // as the first op of that thread raised "the TMA unit cannot address q or k").
+    if (index >= 0) {
+      check_cuda(cudaSetDevice(index), "cudaSetDevice");
+      changed_ = index != previous_;
+    }
+  }
+  // Restores only what the constructor changed: an unconditional cudaSetDevice(previous) would
+  // create a context on the previous device (cuda:0 by default) when all work is on another.
+  ~DeviceGuard() {
+    if (changed_) cudaSetDevice(previous_);
+  }
+
+ private:
+  int previous_ = 0;
+  bool changed_ = false;
+};
+
 // The most shared memory one block of the current device may have (dynamic, after opting in):
 // 227 KB on Hopper, 163 KB on A100, 99 KB on RTX 30/40, L4 and L40S. The launchers pick tiles
 // that fit it. SDPA_MATH_SMEM_LIMIT (bytes) lowers it, to run a smaller GPU's tile choices on a

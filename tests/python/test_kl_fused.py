@@ -114,6 +114,29 @@ def test_kl_backward_names_bad_inputs():
         ops.kl_reference_rows(torch.rand(5), False)
 
 
+@pytest.mark.parametrize("case", ["causal_gqa", "broadcast_q"])
+def test_o_gradient_by_chunks_equals_the_whole_backward(case):
+    """_KLFused's gradient through O (when the loss uses O too) runs the operator's backward a
+    chunk of query rows at a time, so its backward never holds the whole P: equal, to rounding,
+    to one backward over all rows (float64 on the CPU; 4-row chunks, a causal chunk with its rows
+    of the top-left mask)."""
+    gen = torch.Generator().manual_seed(41)
+    if case == "causal_gqa":
+        qs, ks, causal, gqa = (2, 4, 11, 8), (2, 2, 13, 8), True, True
+    else:
+        qs, ks, causal, gqa = (4, 11, 8), (2, 4, 13, 8), False, False
+    q, k, v = (torch.randn(s, generator=gen, dtype=F64) for s in (qs, ks, ks))
+    o, p, lse = ops.forward(q, k, v, None, 0.0, causal, None, None, gqa, None)
+    d_o = torch.randn(o.shape, generator=gen, dtype=F64)
+    want = ops.backward(d_o, None, q, k, v, None, lse, o, p, 0.0, causal, None, None, gqa, None, [True] * 3 + [False])
+    got = stats_module._o_grads_by_chunks(q, k, v, o, lse, d_o, causal, None, gqa, (True, True, True), chunk_rows=4)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want[:3]):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12, msg=name)
+    only_k = stats_module._o_grads_by_chunks(q, k, v, o, lse, d_o, causal, None, gqa, (False, True, False), chunk_rows=4)
+    assert only_k[0] is None and only_k[2] is None
+    torch.testing.assert_close(only_k[1], want[1], rtol=1e-12, atol=1e-12)
+
+
 # --- attention_stats(kl_to=...) through the CUDA kernels -----------------------------------------
 
 def kl_and_grads(q, k, v, r, kw, wo=None, g_kl=None):
@@ -230,8 +253,32 @@ def test_kl_to_with_a_mask_or_a_float32_reference_keeps_the_composition():
     mask = torch.zeros(64, 64, device="cuda", dtype=torch.half)
     assert not stats_module._kl_fused_applies(q, k, v, mask, r.half(), False, None, False, (1, 2))
     assert not stats_module._kl_fused_applies(q, k, v, None, r, False, None, False, (1, 2))
+    # one map for both heads: r K would copy it to P's size, so the chunks take it
+    assert not stats_module._kl_fused_applies(q, k, v, None, r.half()[:, :1], False, None, False, (1, 2))
+    assert stats_module._kl_fused_applies(q, k, v, None, r.half(), False, None, False, (1, 2))
     _, kernels = cuda_kernels(lambda: attention_stats(q, k, v, kl_to=r))
     assert not any("backward_sm90" in n for n in kernels)
+
+
+@sm90_only
+def test_kl_to_under_deterministic_algorithms_keeps_the_chunks():
+    """The KL form adds dQ with float atomics: with a gradient under
+    torch.use_deterministic_algorithms(True), kl_to takes the chunks (deterministic products),
+    not an error from the fused backward; without a gradient the fused path stays."""
+    gen = torch.Generator().manual_seed(43)
+    q, k, v = (torch.randn(1, 2, 64, 64, generator=gen).cuda().half().requires_grad_() for _ in range(3))
+    r = ref_map((1, 2, 64, 64), torch.float16, "cuda", gen)
+    # warn_only: cuBLAS's products would otherwise need CUBLAS_WORKSPACE_CONFIG set before start
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        assert not stats_module._kl_fused_applies(q, k, v, None, r, False, None, False, (1, 2))
+        with torch.no_grad():
+            assert stats_module._kl_fused_applies(q, k, v, None, r, False, None, False, (1, 2))
+        _, st = attention_stats(q, k, v, kl_to=r)
+        dq, dk = torch.autograd.grad(st["kl_to"].sum(), (q, k))
+        assert torch.isfinite(dq).all() and torch.isfinite(dk).all()
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
 @sm90_only

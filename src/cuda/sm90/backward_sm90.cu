@@ -499,7 +499,7 @@ __global__ void __launch_bounds__(256) kl_rows_prep(const DevProblem p, const Ar
       const int64_t lead = query_lead(a, kv, gi);
       for (int64_t i = threadIdx.x; i < p.L; i += blockDim.x) {
         const float v = fabsf(at(grad_kl, lead, i) * at(row_sum, lead, i));
-        if (v <= 3.0e38f) m = fmaxf(m, v);  // finite only (false for NaN and inf)
+        if (isfinite(v)) m = fmaxf(m, v);
       }
     }
     for (int s = 16; s > 0; s >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, s));
@@ -725,6 +725,8 @@ const char* kl_backward_declines(const DevProblem& p, const KlInputs& in) {
   if (p.E <= 0 || p.E > 128 || p.E % 8 != 0) return "the head size is not a multiple of 8 up to 128";
   if (!qk_stored_per_head(p)) return "q or k is broadcast over batch dims or has a non-unit column stride";
   if (!(p.L > 0 && p.S > 0 && p.L <= 2147483647LL && p.S <= 2147483647LL)) return "L or S is 0 or above 2^31";
+  // kl_rows_prep's second grid dimension: a GQA group's query tiles (65,535 at most).
+  if (p.k.head_group * ((p.L + kBM - 1) / kBM) > 65535) return "a GQA group has more than 65,535 query tiles";
   if (!device_supported()) return "the device is not a Hopper GPU (or SDPA_MATH_SM90=0)";
   // What TMA must address: q, k and the reference as they are (the row vectors live in the
   // workspace, aligned as any allocation; a placeholder address stands for it here).
@@ -734,7 +736,7 @@ const char* kl_backward_declines(const DevProblem& p, const KlInputs& in) {
   if (!make_map(&map, p, p.q, p.L, p.E, kBM, mc) || !make_map(&map, p, p.k, p.S, p.E, kBN, mc))
     return "the TMA unit cannot address q or k";
   if (!make_map(&map, p, in.reference, p.L, p.S, kBM, mc) && !rows_vectorizable(in.reference, p.lead_ndim, p.S, 2, 2))
-    return "the reference's rows are not 4-byte aligned";
+    return "the reference map's keys are not contiguous in 4-byte aligned rows";
   if (!make_rows_map_f32(&map, reinterpret_cast<const float*>(std::uintptr_t{256}), q_tiles * kBM, 3 * p.num_lead, kBM))
     return "the TMA unit cannot address the row vectors";
   return nullptr;
