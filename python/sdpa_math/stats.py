@@ -299,14 +299,21 @@ def _o_grads_by_chunks(q, k, v, o, lse, d_o, is_causal, scale, enable_gqa, wants
     return [torch.cat(dqs, dim=-2) if wants[0] else None, dk, dv]
 
 
+def _key_heads_of_group(lead, k, enable_gqa):
+    """Hkv when GQA groups P's heads (lead[-1] query heads over k's Hkv key heads), else None."""
+    if enable_gqa and k.dim() >= 3 and len(lead) >= 1 and lead[-1] != k.shape[-3]:
+        return k.shape[-3]
+    return None
+
+
 def _ref_logit_sums(r, q, k, scale, enable_gqa):
     """Σ_j r_ij x_ij per row of the unmasked logits x = scale q kᵀ, in fp32, as scale · q_i · (r K)_i:
     one product of the reference with K (fp32 results on the tensor cores, a GQA group's rows
     stacked against its key head) instead of the L×S logits. r has P's shape."""
     lead, (L, S), E = r.shape[:-2], r.shape[-2:], q.shape[-1]
     s = 1.0 / math.sqrt(E) if scale is None else scale
-    if enable_gqa and k.dim() >= 3 and len(lead) >= 1 and lead[-1] != k.shape[-3]:
-        hkv = k.shape[-3]
+    hkv = _key_heads_of_group(lead, k, enable_gqa)
+    if hkv is not None:
         u = _bmm_fp32(r.reshape(lead[:-1] + (hkv, lead[-1] // hkv * L, S)), k).reshape(lead + (L, E))
     else:
         u = _bmm_fp32(r, k)
@@ -320,9 +327,9 @@ def _ref_product_view(r, k, enable_gqa):
     lead, (L, S) = r.shape[:-2], r.shape[-2:]
     if r.stride(-1) != 1 or r.stride(-2) < S:
         return None
+    hkv = _key_heads_of_group(lead, k, enable_gqa)
     try:
-        if enable_gqa and k.dim() >= 3 and len(lead) >= 1 and lead[-1] != k.shape[-3]:
-            hkv = k.shape[-3]
+        if hkv is not None:
             return r.view(lead[:-1] + (hkv, lead[-1] // hkv * L, S))
         return r.view((-1, L, S))
     except RuntimeError:

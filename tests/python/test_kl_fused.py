@@ -137,6 +137,26 @@ def test_o_gradient_by_chunks_equals_the_whole_backward(case):
     torch.testing.assert_close(only_k[1], want[1], rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("gqa", [False, True])
+def test_ref_logit_sums_is_the_sum_of_r_times_the_logits(gqa, monkeypatch):
+    """_KLFused's Σ_j r_ij x_ij as scale · q_i · (r K)_i, a GQA group's rows stacked against its
+    key head: equal to the sum over the L×S logits. Its product (bmm with fp32 results) exists only
+    on CUDA; here a float64 product stands in for it, so the reshaping and the grouping are
+    what is checked."""
+    monkeypatch.setattr(stats_module, "_bmm_fp32", lambda a, b: a.double() @ b.double())
+    gen = torch.Generator().manual_seed(47)
+    B, H, Hkv, L, S, E = 2, 4, 2 if gqa else 4, 5, 7, 8
+    q = torch.randn(B, H, L, E, generator=gen, dtype=F64)
+    k = torch.randn(B, Hkv, S, E, generator=gen, dtype=F64)
+    r = torch.rand(B, H, L, S, generator=gen, dtype=F64)
+    kk = k.repeat_interleave(H // Hkv, dim=1)
+    want = (r * (q @ kk.transpose(-2, -1)) * 0.5).sum(-1)
+    torch.testing.assert_close(stats_module._ref_logit_sums(r, q, k, 0.5, gqa), want, rtol=1e-12, atol=1e-12)
+    assert stats_module._ref_product_view(r, k, gqa) is not None
+    assert stats_module._ref_product_view(r[:, :1].expand(B, H, L, S), k, gqa) is None  # would copy r
+    assert stats_module._ref_product_view(r.transpose(1, 2).contiguous().transpose(1, 2), k, gqa) is None
+
+
 # --- attention_stats(kl_to=...) through the CUDA kernels -----------------------------------------
 
 def kl_and_grads(q, k, v, r, kw, wo=None, g_kl=None):
