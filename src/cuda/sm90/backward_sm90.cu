@@ -476,12 +476,13 @@ __global__ void delta_rows(const DevProblem p, float* delta, int64_t q_tiles) {
   if (valid && sub == 0) delta[lead * q_tiles * kBM + i] = acc;
 }
 
-// The KL form's row vectors, one block per (key head, 64-row query tile of its group). First f: for fp16 (SCALED) the power of two
-// that brings the group's largest finite |g| R to within [2^13, 2^14], so that dS = f g (R P − r),
-// at most f |g| R in size for a reference of non-negative rows, neither overflows fp16 nor sinks
-// into its subnormals (a mean over many rows makes g tiny); 1 for bf16 (fp32's range). Then per
-// query row of the group: lse·log2 e (+inf past L, so P = 0 there), f g R and f g (0 past L), at
-// rows c · num_lead + lead of the [3 · num_lead][q_tiles · 64] buffer; and 1 / f for dK and dQ.
+// The KL form's row vectors, one block per (key head, 64-row query tile of its group). First f:
+// for fp16 (SCALED) the power of two that brings the group's largest finite |g| R to within
+// (2^13, 2^14], so that dS = f g (R P − r), at most f |g| R in size for a reference of
+// non-negative rows, neither overflows fp16 nor sinks into its subnormals (a mean over many rows
+// makes g tiny); 1 for bf16 (fp32's range). Then per query row: lse·log2 e (+inf past L, so P = 0
+// there), f g R and f g (0 past L), at rows c · num_lead + lead of the [3 · num_lead][q_tiles · 64]
+// buffer; and 1 / f for dK and dQ.
 template <bool SCALED>
 __global__ void __launch_bounds__(256) kl_rows_prep(const DevProblem p, const Args a, const DevOperand row_sum,
                                                     const DevOperand grad_kl, float* rows, float* unscale) {
