@@ -1,9 +1,10 @@
 """kl_to's fused pieces (docs/statistics.md, "kl_to on CUDA"): torch.ops.sdpa_math.kl_reference_rows
 and kl_backward against float64 autograd (on the CPU both run the core's float64 reference; on
-CUDA the row kernel and the Hopper backward's KL form), and attention_stats(kl_to=...) through
-them on an sm_90 GPU: that it takes that path, its KL and gradients against float64, a small loss
-in fp16 (the per-key-head scaling of dS), O in the same loss, and a reference with mass on a
-causally hidden key (+inf)."""
+CUDA the row kernel and the Hopper backward's KL form); on the CPU also the Python helpers of the
+fused path (O's gradient by chunks, r K's reshaping); and attention_stats(kl_to=...) through them
+on an sm_90 GPU: that it takes that path, its KL and gradients against float64 with O in the same
+loss, heads weighted apart (the per-key-head scaling of dS in fp16), a reference with mass on a
+causally hidden key (+inf), a fresh autograd thread, and what it declines."""
 import math
 import threading
 
