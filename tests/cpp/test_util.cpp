@@ -1,5 +1,7 @@
 #include "test_util.h"
 
+#include <gtest/gtest.h>
+
 #include <cmath>
 #include <cstring>
 #include <sstream>
@@ -119,6 +121,35 @@ double max_abs(const std::vector<double>& v) {
   for (double x : v)
     if (std::isfinite(x)) m = std::max(m, std::fabs(x));
   return m;
+}
+
+void expect_error(const std::function<void()>& fn, ErrorCode code, const std::string& text) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error raised; expected " << error_code_name(code);
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), code) << e.what();
+    EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << "message: " << e.what();
+  }
+}
+
+void expect_matches_finite_differences(const TensorView& input, const std::vector<double>& analytic,
+                                       const std::function<double()>& loss, const std::string& name) {
+  const double h = 1e-6;
+  const std::vector<double> x = read(input);
+  for (size_t n = 0; n < x.size(); ++n) {
+    if (!std::isfinite(x[n])) continue;
+    std::vector<double> xp = x, xm = x;
+    xp[n] += h;
+    xm[n] -= h;
+    write(input, xp);
+    const double up = loss();
+    write(input, xm);
+    const double down = loss();
+    write(input, x);
+    const double numeric = (up - down) / (2 * h);
+    EXPECT_NEAR(analytic[n], numeric, 1e-7 + 1e-6 * std::fabs(numeric)) << name << "[" << n << "]";
+  }
 }
 
 }  // namespace sdpa_math::testing

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -59,5 +60,15 @@ double unit_roundoff(DType d);
 double max_abs(const std::vector<double>& v);
 
 Shape make_shape(const std::vector<int64_t>& dims);
+
+// Expects `fn` to throw sdpa_math::Error with `code` and a message containing `text`.
+void expect_error(const std::function<void()>& fn, ErrorCode code, const std::string& text);
+
+// Expects `analytic` (the gradient of `loss` to the elements of `input`, row-major) to match
+// central differences with step 1e-6 within 1e-7 + 1e-6 |numeric|: each finite element of
+// `input` is moved up and down in place (then restored) and `loss` evaluated. Non-finite
+// elements (-inf mask entries) have no derivative and are skipped. `name` labels failures.
+void expect_matches_finite_differences(const TensorView& input, const std::vector<double>& analytic,
+                                       const std::function<double()>& loss, const std::string& name);
 
 }  // namespace sdpa_math::testing

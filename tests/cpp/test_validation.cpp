@@ -3,7 +3,6 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <functional>
 
 #include "test_cases.h"
 
@@ -19,17 +18,6 @@ Case small() {
   c.S = 6;
   c.E = c.Ev = 8;
   return c;
-}
-
-// Expects `fn` to throw sdpa_math::Error with `code` and a message containing `text`.
-void expect_error(const std::function<void()>& fn, ErrorCode code, const std::string& text) {
-  try {
-    fn();
-    ADD_FAILURE() << "no error raised; expected " << error_code_name(code);
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), code) << e.what();
-    EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << "message: " << e.what();
-  }
 }
 
 // Runs forward on both CPU backends with outputs sized for the valid `good` problem; expects the
