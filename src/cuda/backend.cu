@@ -322,7 +322,7 @@ void kl_backward(const core::Problem& p, const KlBackwardArgs& args, const Backw
   auto direct = [&](const std::optional<TensorView>& v) { return !v || (v->dtype == p.dtype && v->is_contiguous()); };
   if (!direct(out.grad_query) || !direct(out.grad_key)) {
     why = "the gradients are not contiguous in the inputs' dtype";
-  } else if (const char* declined = sm90::kl_backward_declines(dp, in)) {
+  } else if (const char* declined = sm90::kl_conditions_decline(dp, in)) {
     why = declined;
   } else {
     auto data = [](const std::optional<TensorView>& v) -> void* { return v && v->numel() > 0 ? v->data : nullptr; };

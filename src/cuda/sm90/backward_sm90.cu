@@ -717,7 +717,7 @@ bool backward(const DevProblem& p, const BackwardTargets& out, float* workspace,
   return backward_for<__nv_bfloat16>(p, out, workspace, stream);
 }
 
-const char* kl_backward_declines(const DevProblem& p, const KlInputs& in) {
+const char* kl_conditions_decline(const DevProblem& p, const KlInputs& in) {
   if (p.q.dtype != DType::Float16 && p.q.dtype != DType::BFloat16) return "the inputs are not float16 or bfloat16";
   if (p.dropout != Dropout::None || p.mask.data != nullptr) return "there is dropout or a mask";
   if (in.reference.dtype != p.q.dtype) return "the reference map's dtype is not the inputs'";
@@ -729,6 +729,11 @@ const char* kl_backward_declines(const DevProblem& p, const KlInputs& in) {
   // kl_rows_prep's second grid dimension: a GQA group's query tiles (65,535 at most).
   if (p.k.head_group * ((p.L + kBM - 1) / kBM) > 65535) return "a GQA group has more than 65,535 query tiles";
   if (!device_supported()) return "the device is not a Hopper GPU (or SDPA_MATH_SM90=0)";
+  return nullptr;
+}
+
+const char* kl_backward_declines(const DevProblem& p, const KlInputs& in) {
+  if (const char* why = kl_conditions_decline(p, in)) return why;
   // What TMA must address: q, k and the reference as they are (the row vectors live in the
   // workspace, aligned as any allocation; a placeholder address stands for it here).
   CUtensorMap map;

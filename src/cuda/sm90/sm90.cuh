@@ -69,6 +69,9 @@ struct KlInputs {
 bool kl_backward_applies(const DevProblem& p, const KlInputs& in);
 // Why it does not apply, for the error message; nullptr when it does.
 const char* kl_backward_declines(const DevProblem& p, const KlInputs& in);
+// The same without the TMA maps, for a caller about to run: kl_backward encodes them anyway and
+// returns false, before any launch, when one cannot be encoded.
+const char* kl_conditions_decline(const DevProblem& p, const KlInputs& in);
 // fp32 workspace, zeroed by the caller: row vectors, 1 / f per key head, dQ's accumulator.
 int64_t kl_backward_workspace_floats(const DevProblem& p);
 bool kl_backward(const DevProblem& p, const KlInputs& in, const BackwardTargets& out, float* workspace, cudaStream_t stream);
