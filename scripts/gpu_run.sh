@@ -111,9 +111,9 @@ for stage in $stages; do
         tests/python/test_cuda_sm90_backward.py 2>&1 | tee "$OUT/pytest-kl.log" | tail -5
       wait
       for f in "$OUT"/sanitizer-kl-*.log; do echo "-- ${f##*/}"; grep -E "SUMMARY|finished" "$f"; done
-      for dt in float16 bfloat16; do
-        python3 tests/gpu/kl_profile.py prefill1k_d128 $dt > "$OUT/kl-profile-$dt.txt" 2>&1
-        head -2 "$OUT/kl-profile-$dt.txt"
+      for spec in prefill1k_d128:float16 prefill1k_d128:bfloat16 decode_s2k_d128:float16; do
+        python3 tests/gpu/kl_profile.py ${spec%%:*} ${spec##*:} > "$OUT/kl-profile-${spec%%:*}-${spec##*:}.txt" 2>&1
+        head -2 "$OUT/kl-profile-${spec%%:*}-${spec##*:}.txt"
       done ;;
     bench-full)
       log "benchmark: anchors and sweep, fp16, bf16, fp32"

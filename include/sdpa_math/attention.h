@@ -130,12 +130,22 @@ bool forward_stats_has_kernel(Backend backend, const ForwardArgs& args, bool col
 // (x the logits, R_i = Σ_j r_ij), and the gradient of Σ_i g_i KL_i to the logits is
 // dS_ij = g_i (R_i P_ij − r_ij): no log P and no division by P anywhere.
 //
-// kl_reference_rows: per row of r (any floating dtype, (*lead, L, S)) R_i = Σ_j r_ij,
-// H_i = Σ_j r_ij log r_ij (0 log 0 = 0) and, with is_causal, the mass on the keys the top-left
-// causal mask hides, Σ_{j > i} r_ij (0 without it): the KL is +inf where that is positive.
-// Outputs (*lead, L), float32 or float64.
-void kl_reference_rows(Backend backend, const TensorView& reference, bool is_causal, const TensorView& row_sum,
-                       const TensorView& row_xlogx, const TensorView& hidden_mass, const CudaExecution& cuda = {});
+// kl_rows: the KL per row, KL_i = Σ_j r_ij log r_ij − scale · q_i · u_i + R_i lse_i, from one pass
+// over r and the caller's u = r K (the sum Σ_j r_ij x_ij of unmasked logits x = scale q kᵀ is
+// scale q_i · (r K)_i: one product of r with K, which a GEMM library does best), with 0 log 0 = 0
+// and R_i lse_i = 0 where R_i = 0. With is_causal, a row whose r has mass on a key the top-left
+// causal mask hides has KL +inf. Also writes R_i (the backward's). Sums in the outputs' dtype.
+struct KlRowsArgs {
+  TensorView reference;  // r, (*lead, L, S), any floating dtype (broadcast by strides)
+  TensorView query;      // q, (*lead, L, E), any floating dtype (broadcast by strides)
+  TensorView ref_keys;   // u = r K, (*lead, L, E), float32 or float64
+  TensorView logsumexp;  // the student's lse, (*lead, L), float32 or float64
+  double scale = 1.0;    // the logits' scale (resolved: no default here)
+  bool is_causal = false;
+};
+// kl and row_sum: (*lead, L), float32 or float64, one dtype.
+void kl_rows(Backend backend, const KlRowsArgs& args, const TensorView& kl, const TensorView& row_sum,
+             const CudaExecution& cuda = {});
 struct KlBackwardArgs {
   ForwardArgs forward;     // as the forward's (value is not read); no dropout
   TensorView logsumexp;    // the forward's, (*lead, L)

@@ -84,11 +84,11 @@ def _forward_stats_fake(query, key, value, attn_mask, is_causal, scale, enable_g
     )
 
 
-@torch.library.register_fake("sdpa_math::kl_reference_rows")
-def _kl_reference_rows_fake(reference, is_causal):
+@torch.library.register_fake("sdpa_math::kl_rows")
+def _kl_rows_fake(reference, is_causal, query, ref_keys, logsumexp, scale):
     stat = torch.float64 if reference.dtype == torch.float64 else torch.float32
     rows = reference.shape[:-1]
-    return tuple(reference.new_empty(rows, dtype=stat) for _ in range(3))
+    return reference.new_empty(rows, dtype=stat), reference.new_empty(rows, dtype=stat)
 
 
 @torch.library.register_fake("sdpa_math::kl_backward")

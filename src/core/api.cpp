@@ -125,20 +125,20 @@ bool forward_stats_has_kernel(Backend backend, const ForwardArgs& args, bool col
 #endif
 }
 
-void kl_reference_rows(Backend backend, const TensorView& reference, bool is_causal, const TensorView& row_sum,
-                       const TensorView& row_xlogx, const TensorView& hidden_mass, const CudaExecution& cuda) {
-  core::check_kl_reference_rows(reference, row_sum, row_xlogx, hidden_mass);
+void kl_rows(Backend backend, const KlRowsArgs& args, const TensorView& kl, const TensorView& row_sum,
+             const CudaExecution& cuda) {
+  core::check_kl_rows(args, kl, row_sum);
   if (!backend_available(backend))
     throw Error(ErrorCode::BackendUnavailable, std::string("the ") + backend_name(backend) + " backend is not in this build");
-  if ((reference.device.type == DeviceType::CUDA) != (backend == Backend::Cuda))
+  if ((args.reference.device.type == DeviceType::CUDA) != (backend == Backend::Cuda))
     throw Error(ErrorCode::DeviceMismatch, std::string("the ") + backend_name(backend) + " backend cannot run tensors on " +
-                                               device_name(reference.device));
+                                               device_name(args.reference.device));
 #ifdef SDPA_MATH_WITH_CUDA
-  if (backend == Backend::Cuda) return cuda::kl_reference_rows(reference, is_causal, row_sum, row_xlogx, hidden_mass, cuda);
+  if (backend == Backend::Cuda) return cuda::kl_rows(args, kl, row_sum, cuda);
 #else
   (void)cuda;
 #endif
-  reference::kl_reference_rows(reference, is_causal, row_sum, row_xlogx, hidden_mass);
+  reference::kl_rows(args, kl, row_sum);
 }
 
 void kl_backward(Backend backend, const KlBackwardArgs& args, const BackwardOutputs& out, const CudaExecution& cuda) {

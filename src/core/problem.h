@@ -78,7 +78,6 @@ void check_forward_outputs(const Problem& p, const ForwardOutputs& out);
 void check_stats_outputs(const Problem& p, const StatsOutputs& out);  // and refuses dropout
 void check_backward(const Problem& p, const BackwardArgs& args, const BackwardOutputs& out);
 void check_kl_backward(const Problem& p, const KlBackwardArgs& args, const BackwardOutputs& out);  // and refuses dropout
-void check_kl_reference_rows(const TensorView& reference, const TensorView& row_sum, const TensorView& row_xlogx,
-                             const TensorView& hidden_mass);
+void check_kl_rows(const KlRowsArgs& args, const TensorView& kl, const TensorView& row_sum);
 
 }  // namespace sdpa_math::core

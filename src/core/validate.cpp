@@ -344,18 +344,26 @@ void check_kl_backward(const Problem& p, const KlBackwardArgs& a, const Backward
   if (out.grad_key) check_view(*out.grad_key, "grad_key", a.forward.key.shape, false, dev, ErrorCode::BadOutput);
 }
 
-void check_kl_reference_rows(const TensorView& r, const TensorView& row_sum, const TensorView& row_xlogx,
-                             const TensorView& hidden_mass) {
+void check_kl_rows(const KlRowsArgs& a, const TensorView& kl, const TensorView& row_sum) {
+  const TensorView& r = a.reference;
   if (r.ndim() < 2) fail(ErrorCode::RankTooLow, "reference must have at least 2 dims (rows, keys), got ", r.shape.str());
   if (!is_floating(r.dtype)) fail(ErrorCode::UnsupportedDtype, "reference has dtype ", dtype_name(r.dtype), ", expected a floating dtype");
+  const int nd = r.ndim();
+  if (a.query.ndim() != nd)
+    fail(ErrorCode::BadGradient, "query must have the reference's ", nd, " dims (*lead, L, E), got ", a.query.shape.str());
   Shape rows = r.shape;
   rows.ndim -= 1;
+  Shape per_row = rows;
+  per_row.ndim += 1;
+  per_row.dims[nd - 1] = a.query.shape.dims[nd - 1];  // (*lead, L, E)
+  // the row inputs come from the forward, as kl_backward's saved ones do (same error code)
+  check_view(a.query, "query", per_row, false, r.device, ErrorCode::BadGradient);
+  check_view(a.ref_keys, "ref_keys", per_row, true, r.device, ErrorCode::BadGradient);
+  check_view(a.logsumexp, "logsumexp", rows, true, r.device, ErrorCode::BadGradient);
+  check_view(kl, "kl", rows, true, r.device, ErrorCode::BadOutput);
   check_view(row_sum, "row_sum", rows, true, r.device, ErrorCode::BadOutput);
-  check_view(row_xlogx, "row_xlogx", rows, true, r.device, ErrorCode::BadOutput);
-  check_view(hidden_mass, "hidden_mass", rows, true, r.device, ErrorCode::BadOutput);
-  if (row_xlogx.dtype != row_sum.dtype || hidden_mass.dtype != row_sum.dtype)
-    fail(ErrorCode::BadOutput, "row_sum, row_xlogx and hidden_mass must have one dtype, got ", dtype_name(row_sum.dtype),
-         ", ", dtype_name(row_xlogx.dtype), " and ", dtype_name(hidden_mass.dtype));
+  if (kl.dtype != row_sum.dtype)
+    fail(ErrorCode::BadOutput, "kl and row_sum must have one dtype, got ", dtype_name(kl.dtype), " and ", dtype_name(row_sum.dtype));
 }
 
 }  // namespace sdpa_math::core

@@ -20,10 +20,9 @@ inline constexpr const char* stats_kernel_requirements =
     "q, k and v with unit column stride and 16-byte aligned strides; a mask that is bool, float32 or the "
     "inputs' dtype with even row strides; float32 statistics; rows in the inputs' dtype with an even key count)";
 
-// kl_to's pieces (attention.h): the reference's row sums on any GPU (kl.cu); the gradient on the
-// Hopper backward's KL form (throws BackendUnavailable, before anything is written, elsewhere).
-void kl_reference_rows(const TensorView& reference, bool is_causal, const TensorView& row_sum, const TensorView& row_xlogx,
-                       const TensorView& hidden_mass, const CudaExecution& ex);
+// kl_to's pieces (attention.h): the KL's rows on any GPU (kl.cu); the gradient on the Hopper
+// backward's KL form (throws BackendUnavailable, before anything is written, elsewhere).
+void kl_rows(const KlRowsArgs& args, const TensorView& kl, const TensorView& row_sum, const CudaExecution& ex);
 void kl_backward(const core::Problem& p, const KlBackwardArgs& args, const BackwardOutputs& out, const CudaExecution& ex);
 bool kl_backward_applies(const core::Problem& p, const KlBackwardArgs& args);
 

@@ -1,7 +1,9 @@
-// kl_to's row sums of the reference map on any GPU (attention.h, kl_reference_rows): per row of r,
-// R = Σ_j r, H = Σ_j r log r (0 log 0 = 0) and, under causality, the mass on hidden keys. One warp
-// a row; 16-byte loads where the rows allow (16-bit r, unit column stride, 16-byte aligned rows),
-// so a long row streams at copy bandwidth. Sums in the outputs' dtype (fp32, or fp64).
+// kl_to's forward rows on any GPU (attention.h, kl_rows): per row of the reference r one warp
+// streams the row once for R = Σ_j r, H = Σ_j r log r (0 log 0 = 0) and, under causality, the mass
+// on hidden keys, then adds q_i · u_i (u = r K, the caller's product) and the lse:
+// KL = H − scale q·u + R lse, +inf where the hidden mass is positive. 16-byte loads where the rows
+// allow (16-bit r, unit column stride, 16-byte aligned rows), so a long row streams at copy
+// bandwidth. Sums in the outputs' dtype (fp32, or fp64).
 #include <cuda_runtime.h>
 
 #include "backend.h"
@@ -12,123 +14,157 @@
 namespace sdpa_math::cuda {
 namespace {
 
-// A view's strides over the reference's first nd - 1 dims (its rows), row-major unravel.
+// The views' strides over the reference's rows (its first nd - 1 dims, row-major) and their
+// column strides. Row n's index is unravelled once per warp and each view's offset is a dot
+// product of it: the int64 divisions cost as much as a 1K-key row's arithmetic when they were
+// repeated for every view (run v58: 0.084 ms against ~0.035 of memory time).
+enum View { kRef, kQuery, kKeys, kLse, kKl, kRowSum, kViews };
 struct RowsLayout {
-  int nd = 0;  // dims of the reference
-  int64_t shape[kMaxDims] = {};
-  int64_t ref[kMaxDims] = {};     // strides of r (all nd dims)
-  int64_t out[3][kMaxDims] = {};  // strides of R, H and the hidden mass (nd - 1 dims)
+  int nd = 0;                           // dims of the reference
+  int64_t shape[kMaxDims] = {};         // the reference's
+  int64_t row[kViews][kMaxDims] = {};   // strides over the first nd - 1 dims
+  int64_t col[kViews] = {};             // column strides (r: keys; q, u: head elements)
+  int64_t E = 0;                        // head size of q and u
+  DType query = DType::Float16, keys = DType::Float32, lse = DType::Float32;
 };
 
-SDPA_MATH_D int64_t row_offset(const RowsLayout& d, const int64_t* strides, int64_t n) {
-  int64_t off = 0;
-  for (int k = d.nd - 2; k >= 0; --k) {
-    off += (n % d.shape[k]) * strides[k];
-    n /= d.shape[k];
-  }
-  return off;
-}
-
+// Eight rows (warps) a block, at least four blocks an SM (at most 64 registers): a streaming
+// kernel needs its loads in flight, and ptxas gave 125 registers (two blocks an SM) unbounded.
 template <typename T, typename Acc, bool VEC>
-__global__ void __launch_bounds__(256) kl_rows_kernel(const T* __restrict__ r, RowsLayout d, Acc* row_sum, Acc* xlogx,
-                                                      Acc* hidden, int64_t rows, bool causal) {
+__global__ void __launch_bounds__(256, 4) kl_rows_kernel(const T* __restrict__ r, const char* __restrict__ q,
+                                                      const char* __restrict__ u, const char* __restrict__ lse,
+                                                      RowsLayout d, Acc* kl, Acc* row_sum, int64_t rows, Acc scale,
+                                                      bool causal) {
   const int64_t n = blockIdx.x * 8LL + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (n >= rows) return;
-  const int64_t L = d.shape[d.nd - 2], S = d.shape[d.nd - 1], i = n % L, col = d.ref[d.nd - 1];
-  const T* row = r + row_offset(d, d.ref, n);
+  int64_t off[kViews] = {};
+  int64_t i = 0;  // the row's query index
+  {
+    int64_t rest = n;
+#pragma unroll 1  // unrolled over kMaxDims, it held every view's strides in registers (125 of them)
+    for (int k = d.nd - 2; k >= 0; --k) {
+      const int64_t idx = rest % d.shape[k];
+      rest /= d.shape[k];
+      if (k == d.nd - 2) i = idx;
+#pragma unroll
+      for (int v = 0; v < kViews; ++v) off[v] += idx * d.row[v][k];
+    }
+  }
+  const int64_t S = d.shape[d.nd - 1];
+  const T* row = r + off[kRef];
   Acc sum = 0, h = 0, hid = 0;
   // h sums x log2 x (times ln 2 at the end) with the hardware's log2 for fp32: an absolute error
   // of about 2^-22 a term, R · 2^-22 a row, where the accurate logf cost 4x the row's memory time
   // (0.137 against ~0.035 ms for 128 MB, run v53). 0 log 0 = 0; a negative entry gives NaN.
-  auto add = [&](Acc x, int64_t j) {
+  auto add = [&](Acc x) {
     sum += x;
     if constexpr (sizeof(Acc) == 8) h += x != Acc(0) ? x * log2(x) : Acc(0);
     else h += x != 0.0f ? x * __log2f(x) : 0.0f;
-    hid += causal && j > i ? x : Acc(0);
   };
   if constexpr (VEC) {  // 8 16-bit elements a load
 #pragma unroll 4
     for (int64_t j = lane * 8; j < S; j += 256) {
       const uint4 raw = *reinterpret_cast<const uint4*>(row + j);
-      const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+      const T* e = reinterpret_cast<const T*>(&raw);
+      Acc x[8];
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const T* pair = reinterpret_cast<const T*>(&w[k]);
-        add(to_float<T>(pair[0]), j + 2 * k);
-        add(to_float<T>(pair[1]), j + 2 * k + 1);
+      for (int k = 0; k < 8; ++k) {
+        x[k] = to_float<T>(e[k]);
+        add(x[k]);
+      }
+      if (causal && j + 7 > i) {  // the chunk reaches past the diagonal: its hidden keys
+#pragma unroll
+        for (int k = 0; k < 8; ++k) hid += j + k > i ? x[k] : Acc(0);
       }
     }
   } else {
+    const int64_t col = d.col[kRef];
     for (int64_t j = lane; j < S; j += 32) {
-      if constexpr (sizeof(T) == 2) add(to_float<T>(row[j * col]), j);
-      else add(static_cast<Acc>(row[j * col]), j);
+      Acc x;
+      if constexpr (sizeof(T) == 2) x = to_float<T>(row[j * col]);
+      else x = static_cast<Acc>(row[j * col]);
+      add(x);
+      if (causal && j > i) hid += x;
     }
   }
+  Acc qu = 0;  // q_i · u_i, the row's Σ_j r x before the scale (a few elements a lane)
+#pragma unroll 1  // unrolled, the two dtype switches took ~90 registers
+  for (int64_t e = lane; e < d.E; e += 32)
+    qu += load_elem<Acc>(d.query, q, off[kQuery] + e * d.col[kQuery]) * load_elem<Acc>(d.keys, u, off[kKeys] + e * d.col[kKeys]);
   for (int s = 16; s > 0; s >>= 1) {
     sum += __shfl_xor_sync(0xffffffffu, sum, s);
     h += __shfl_xor_sync(0xffffffffu, h, s);
     hid += __shfl_xor_sync(0xffffffffu, hid, s);
+    qu += __shfl_xor_sync(0xffffffffu, qu, s);
   }
   if (lane == 0) {
-    row_sum[row_offset(d, d.out[0], n)] = sum;
-    xlogx[row_offset(d, d.out[1], n)] = h * Acc(0.69314718055994530942);
-    hidden[row_offset(d, d.out[2], n)] = hid;
+    const Acc l = load_elem<Acc>(d.lse, lse, off[kLse]);
+    Acc value = h * Acc(0.69314718055994530942) - scale * qu + (sum != Acc(0) ? sum * l : Acc(0));
+    if (hid > Acc(0)) value = static_cast<Acc>(INFINITY);
+    kl[off[kKl]] = value;
+    row_sum[off[kRowSum]] = sum;
   }
 }
 
 template <typename T, typename Acc>
-void launch_rows(const TensorView& r, const RowsLayout& d, const TensorView (&outs)[3], int64_t rows, bool causal,
+void launch_rows(const KlRowsArgs& a, const RowsLayout& d, const TensorView& kl, const TensorView& row_sum, int64_t rows,
                  cudaStream_t stream) {
   const int64_t S = d.shape[d.nd - 1];
-  bool vec = sizeof(T) == 2 && d.ref[d.nd - 1] == 1 && S % 8 == 0 && reinterpret_cast<uintptr_t>(r.data) % 16 == 0;
-  for (int k = 0; k < d.nd - 1; ++k) vec = vec && (d.shape[k] == 1 || d.ref[k] % 8 == 0);
-  const unsigned grid = grid_x((rows + 7) / 8, "KL reference rows");
-  auto* out0 = static_cast<Acc*>(outs[0].data);
-  auto* out1 = static_cast<Acc*>(outs[1].data);
-  auto* out2 = static_cast<Acc*>(outs[2].data);
-  const T* data = static_cast<const T*>(r.data);
+  bool vec = sizeof(T) == 2 && d.col[kRef] == 1 && S % 8 == 0 && reinterpret_cast<uintptr_t>(a.reference.data) % 16 == 0;
+  for (int k = 0; k < d.nd - 1; ++k) vec = vec && (d.shape[k] == 1 || d.row[kRef][k] % 8 == 0);
+  const unsigned grid = grid_x((rows + 7) / 8, "KL rows");
+  auto* out_kl = static_cast<Acc*>(kl.data);
+  auto* out_r = static_cast<Acc*>(row_sum.data);
+  const T* data = static_cast<const T*>(a.reference.data);
+  const auto* q = static_cast<const char*>(a.query.data);
+  const auto* u = static_cast<const char*>(a.ref_keys.data);
+  const auto* lse = static_cast<const char*>(a.logsumexp.data);
+  const Acc scale = static_cast<Acc>(a.scale);
   if constexpr (sizeof(T) == 2) {
     if (vec) {
-      kl_rows_kernel<T, Acc, true><<<grid, 256, 0, stream>>>(data, d, out0, out1, out2, rows, causal);
-      check_launch("KL reference rows");
+      kl_rows_kernel<T, Acc, true><<<grid, 256, 0, stream>>>(data, q, u, lse, d, out_kl, out_r, rows, scale, a.is_causal);
+      check_launch("KL rows");
       return;
     }
   }
-  kl_rows_kernel<T, Acc, false><<<grid, 256, 0, stream>>>(data, d, out0, out1, out2, rows, causal);
-  check_launch("KL reference rows");
+  kl_rows_kernel<T, Acc, false><<<grid, 256, 0, stream>>>(data, q, u, lse, d, out_kl, out_r, rows, scale, a.is_causal);
+  check_launch("KL rows");
 }
 
 template <typename Acc>
-void rows_for(const TensorView& r, const RowsLayout& d, const TensorView (&outs)[3], int64_t rows, bool causal,
+void rows_for(const KlRowsArgs& a, const RowsLayout& d, const TensorView& kl, const TensorView& row_sum, int64_t rows,
               cudaStream_t stream) {
-  switch (r.dtype) {
-    case DType::Float16: return launch_rows<__half, Acc>(r, d, outs, rows, causal, stream);
-    case DType::BFloat16: return launch_rows<__nv_bfloat16, Acc>(r, d, outs, rows, causal, stream);
-    case DType::Float32: return launch_rows<float, Acc>(r, d, outs, rows, causal, stream);
-    default: return launch_rows<double, Acc>(r, d, outs, rows, causal, stream);
+  switch (a.reference.dtype) {
+    case DType::Float16: return launch_rows<__half, Acc>(a, d, kl, row_sum, rows, stream);
+    case DType::BFloat16: return launch_rows<__nv_bfloat16, Acc>(a, d, kl, row_sum, rows, stream);
+    case DType::Float32: return launch_rows<float, Acc>(a, d, kl, row_sum, rows, stream);
+    default: return launch_rows<double, Acc>(a, d, kl, row_sum, rows, stream);
   }
 }
 
 }  // namespace
 
-void kl_reference_rows(const TensorView& r, bool is_causal, const TensorView& row_sum, const TensorView& row_xlogx,
-                       const TensorView& hidden_mass, const CudaExecution& ex) {
-  const TensorView outs[3] = {row_sum, row_xlogx, hidden_mass};  // one dtype (the core checked)
+void kl_rows(const KlRowsArgs& a, const TensorView& kl, const TensorView& row_sum, const CudaExecution& ex) {
   if (row_sum.numel() == 0) return;
-  DeviceGuard guard(r.device.index);
+  DeviceGuard guard(a.reference.device.index);
   RowsLayout d;
-  d.nd = r.ndim();
-  for (int k = 0; k < d.nd; ++k) {
-    d.shape[k] = r.shape.dims[k];
-    d.ref[k] = r.strides[k];
-  }
-  for (int o = 0; o < 3; ++o)
-    for (int k = 0; k < d.nd - 1; ++k) d.out[o][k] = outs[o].strides[k];
+  d.nd = a.reference.ndim();
+  for (int k = 0; k < d.nd; ++k) d.shape[k] = a.reference.shape.dims[k];
+  const TensorView* views[kViews] = {&a.reference, &a.query, &a.ref_keys, &a.logsumexp, &kl, &row_sum};
+  for (int v = 0; v < kViews; ++v)
+    for (int k = 0; k < d.nd - 1; ++k) d.row[v][k] = views[v]->strides[k];
+  d.col[kRef] = a.reference.strides[d.nd - 1];
+  d.col[kQuery] = a.query.strides[d.nd - 1];
+  d.col[kKeys] = a.ref_keys.strides[d.nd - 1];
+  d.E = a.query.shape.dims[d.nd - 1];
+  d.query = a.query.dtype;
+  d.keys = a.ref_keys.dtype;
+  d.lse = a.logsumexp.dtype;
   const int64_t rows = row_sum.numel();
   auto stream = static_cast<cudaStream_t>(ex.stream);
-  if (row_sum.dtype == DType::Float64) rows_for<double>(r, d, outs, rows, is_causal, stream);
-  else rows_for<float>(r, d, outs, rows, is_causal, stream);
+  if (row_sum.dtype == DType::Float64) rows_for<double>(a, d, kl, row_sum, rows, stream);
+  else rows_for<float>(a, d, kl, row_sum, rows, stream);
 }
 
 }  // namespace sdpa_math::cuda

@@ -244,11 +244,11 @@ void kl_backward(const Problem& p, const KlBackwardArgs& args, const BackwardOut
   if (out.grad_key) core::write_dense(gk.data(), *out.grad_key);
 }
 
-void kl_reference_rows(const TensorView& ref, bool is_causal, const TensorView& row_sum, const TensorView& row_xlogx,
-                       const TensorView& hidden_mass) {
+void kl_rows(const KlRowsArgs& a, const TensorView& kl, const TensorView& row_sum) {
+  const TensorView& ref = a.reference;
   const int nd = ref.ndim();
-  const int64_t L = ref.shape.dims[nd - 2], S = ref.shape.dims[nd - 1];
-  const int64_t rows = S > 0 ? ref.numel() / S : row_sum.numel();
+  const int64_t L = ref.shape.dims[nd - 2], S = ref.shape.dims[nd - 1], E = a.query.shape.dims[nd - 1];
+  const int64_t rows = row_sum.numel();
   // The offset of row n (row-major over the first nd - 1 dims) in a view with those dims first.
   auto row_offset = [&](const TensorView& v, int64_t n) {
     int64_t off = 0;
@@ -265,11 +265,18 @@ void kl_reference_rows(const TensorView& ref, bool is_causal, const TensorView& 
       const double x = core::load_as_double(ref.dtype, ref.data, base + j * ref.strides[nd - 1]);
       sum += x;
       if (x != 0.0) xlogx += x * std::log(x);  // 0 log 0 = 0; a negative entry gives NaN
-      if (is_causal && j > i) hidden += x;
+      if (a.is_causal && j > i) hidden += x;
     }
+    double qu = 0.0;  // q_i · (r K)_i
+    const int64_t q0 = row_offset(a.query, n), u0 = row_offset(a.ref_keys, n);
+    for (int64_t e = 0; e < E; ++e)
+      qu += core::load_as_double(a.query.dtype, a.query.data, q0 + e * a.query.strides[nd - 1]) *
+            core::load_as_double(a.ref_keys.dtype, a.ref_keys.data, u0 + e * a.ref_keys.strides[nd - 1]);
+    const double lse = core::load_as_double(a.logsumexp.dtype, a.logsumexp.data, row_offset(a.logsumexp, n));
+    double value = xlogx - a.scale * qu + (sum != 0.0 ? sum * lse : 0.0);
+    if (hidden > 0.0) value = INFINITY;
+    core::store_from_double(kl.dtype, kl.data, row_offset(kl, n), value);
     core::store_from_double(row_sum.dtype, row_sum.data, row_offset(row_sum, n), sum);
-    core::store_from_double(row_xlogx.dtype, row_xlogx.data, row_offset(row_xlogx, n), xlogx);
-    core::store_from_double(hidden_mass.dtype, hidden_mass.data, row_offset(hidden_mass, n), hidden);
   }
 }
 

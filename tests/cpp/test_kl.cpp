@@ -1,5 +1,5 @@
 // kl_to's core ops on the float64 reference (attention.h): kl_backward against central finite
-// differences of the KL computed from the reference forward's P, kl_reference_rows against its
+// differences of the KL computed from the reference forward's P, kl_rows against its
 // definition on a strided view, and the validation of both.
 #include <gtest/gtest.h>
 
@@ -94,9 +94,14 @@ TEST_P(ReferenceKlBackward, MatchesFiniteDifferences) {
   std::mt19937_64 rng(7);
   Tensor r = reference_map(rng, s.attn_probs, kc.c.causal);
   Tensor g = random_tensor(rng, DType::Float64, s.logsumexp);
-  Tensor R = empty_tensor(DType::Float64, s.logsumexp), H = empty_tensor(DType::Float64, s.logsumexp),
-         M = empty_tensor(DType::Float64, s.logsumexp);
-  kl_reference_rows(Backend::Reference, r.view, kc.c.causal, R.view, H.view, M.view);
+  Tensor R = empty_tensor(DType::Float64, s.logsumexp);  // R_i = Σ_j r_ij, as kl_rows gives it
+  {
+    const std::vector<double> rv = read(r.view);
+    const int64_t S = s.attn_probs.dims[s.attn_probs.ndim - 1];
+    std::vector<double> sums(rv.size() / S, 0.0);
+    for (size_t n = 0; n < rv.size(); ++n) sums[n / S] += rv[n];
+    write(R.view, sums);
+  }
   Tensor o = empty_tensor(DType::Float64, s.output), p = empty_tensor(DType::Float64, s.attn_probs),
          lse = empty_tensor(DType::Float64, s.logsumexp);
   forward(Backend::Reference, b.args, {o.view, p.view, lse.view});
@@ -112,31 +117,55 @@ TEST_P(ReferenceKlBackward, MatchesFiniteDifferences) {
 INSTANTIATE_TEST_SUITE_P(Cases, ReferenceKlBackward, ::testing::ValuesIn(kl_cases()),
                          [](const ::testing::TestParamInfo<KlCase>& info) { return std::string(info.param.name); });
 
-TEST(KlReferenceRows, MatchTheirDefinitionOnATransposedView) {
+TEST(KlRows, MatchTheirDefinitionOnTransposedViews) {
+  // r (2 heads, 3 rows, 6 keys) and u with rows and heads swapped in memory, a quarter of r's
+  // entries 0 (0 log 0 = 0), one row all 0 (R = 0: no lse term); causal, so rows with mass right
+  // of the diagonal are +inf.
   std::mt19937_64 rng(11);
-  const Shape shape = make_shape({2, 3, 6});
+  const Shape shape = make_shape({2, 3, 6}), per_row = make_shape({2, 3, 4}), rows = make_shape({2, 3});
   Tensor r = empty_tensor(DType::Float32, shape, Layout::Transposed);
   std::vector<double> v(shape.numel());
-  std::uniform_real_distribution<double> u(0.0, 1.0);
-  for (size_t n = 0; n < v.size(); ++n) v[n] = n % 4 == 0 ? 0.0 : u(rng);
+  std::uniform_real_distribution<double> uni(0.0, 1.0);
+  for (size_t n = 0; n < v.size(); ++n) v[n] = n % 4 == 0 || n / 6 == 4 ? 0.0 : uni(rng);
+  for (int64_t row : {0, 3})  // row 0 of each head sees key 0 only: no hidden mass, a finite KL
+    for (int64_t j = 1; j < 6; ++j) v[row * 6 + j] = 0.0;
   write(r.view, v);
   v = read(r.view);  // as rounded to float32
-  const Shape rows = make_shape({2, 3});
-  Tensor R = empty_tensor(DType::Float64, rows), H = empty_tensor(DType::Float64, rows), M = empty_tensor(DType::Float64, rows);
-  kl_reference_rows(Backend::Cpu, r.view, true, R.view, H.view, M.view);
-  const std::vector<double> Rv = read(R.view), Hv = read(H.view), Mv = read(M.view);
+  Tensor q = empty_tensor(DType::Float32, per_row), u = empty_tensor(DType::Float64, per_row, Layout::Transposed),
+         lse = empty_tensor(DType::Float64, rows);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  for (Tensor* t : {&q, &u, &lse}) {
+    std::vector<double> w(t->view.numel());
+    for (double& x : w) x = normal(rng);
+    write(t->view, w);
+  }
+  const std::vector<double> qv = read(q.view), uv = read(u.view), lv = read(lse.view);
+  Tensor kl = empty_tensor(DType::Float64, rows), R = empty_tensor(DType::Float64, rows);
+  KlRowsArgs args{r.view, q.view, u.view, lse.view, 0.7, true};
+  kl_rows(Backend::Cpu, args, kl.view, R.view);
+  const std::vector<double> klv = read(kl.view), Rv = read(R.view);
+  int finite = 0, infinite = 0;
   for (int64_t row = 0; row < 6; ++row) {
-    double sum = 0, xlogx = 0, hidden = 0;
+    double sum = 0, xlogx = 0, hidden = 0, qu = 0;
     for (int64_t j = 0; j < 6; ++j) {
       const double x = v[row * 6 + j];
       sum += x;
       if (x > 0) xlogx += x * std::log(x);
       if (j > row % 3) hidden += x;  // row i of its head sees keys j <= i
     }
+    for (int64_t e = 0; e < 4; ++e) qu += qv[row * 4 + e] * uv[row * 4 + e];
+    const double want = hidden > 0 ? INFINITY : xlogx - 0.7 * qu + (sum != 0 ? sum * lv[row] : 0.0);
     EXPECT_NEAR(Rv[row], sum, 1e-12) << row;
-    EXPECT_NEAR(Hv[row], xlogx, 1e-12) << row;
-    EXPECT_NEAR(Mv[row], hidden, 1e-12) << row;
+    if (hidden > 0) {
+      EXPECT_EQ(klv[row], INFINITY) << row;
+      ++infinite;
+    } else {
+      EXPECT_NEAR(klv[row], want, 1e-12) << row;
+      ++finite;
+    }
   }
+  EXPECT_GE(finite, 3);  // rows 0 and 3 and the all-zero row 4
+  EXPECT_GE(infinite, 1);
 }
 
 TEST(KlValidation, NamesTheBadArgumentBeforeWritingAnything) {
@@ -163,10 +192,14 @@ TEST(KlValidation, NamesTheBadArgumentBeforeWritingAnything) {
                   ErrorCode::DropoutProbability, "dropout-free map");
   EXPECT_EQ(dq.storage, before);
   Tensor flat = empty_tensor(DType::Float32, make_shape({5}));
-  expect_error([&] { kl_reference_rows(Backend::Cpu, flat.view, false, lse.view, lse.view, lse.view); },
-                  ErrorCode::RankTooLow, "reference must have at least 2 dims");
-  expect_error([&] { kl_reference_rows(Backend::Cpu, r.view, false, r.view, lse.view, lse.view); },
-                  ErrorCode::BadOutput, "row_sum has shape");
+  KlRowsArgs rows{flat.view, b.q.view, b.q.view, lse.view, 1.0, false};
+  expect_error([&] { kl_rows(Backend::Cpu, rows, lse.view, lse.view); }, ErrorCode::RankTooLow,
+               "reference must have at least 2 dims");
+  rows.reference = r.view;
+  rows.ref_keys = wrong.view;
+  expect_error([&] { kl_rows(Backend::Cpu, rows, lse.view, lse.view); }, ErrorCode::BadGradient, "ref_keys has shape");
+  rows.ref_keys = b.q.view;
+  expect_error([&] { kl_rows(Backend::Cpu, rows, r.view, lse.view); }, ErrorCode::BadOutput, "kl has shape");
 }
 
 }  // namespace

@@ -1,10 +1,11 @@
-"""kl_to's fused pieces (docs/statistics.md, "kl_to on CUDA"): torch.ops.sdpa_math.kl_reference_rows
-and kl_backward against float64 autograd (on the CPU both run the core's float64 reference; on
-CUDA the row kernel and the Hopper backward's KL form); on the CPU also the Python helpers of the
-fused path (O's gradient by chunks, r K's reshaping); and attention_stats(kl_to=...) through them
-on an sm_90 GPU: that it takes that path, its KL and gradients against float64 with O in the same
-loss, heads weighted apart (the per-key-head scaling of dS in fp16), a reference with mass on a
-causally hidden key (+inf), a fresh autograd thread, and what it declines."""
+"""kl_to's fused pieces (docs/statistics.md, "kl_to on CUDA"): torch.ops.sdpa_math.kl_rows against
+its definition and kl_backward against float64 autograd (on the CPU both run the core's float64
+reference; on CUDA the row kernel and the Hopper backward's KL form); on the CPU also the Python
+helpers of the fused path (O's gradient by chunks, r K's reshaping); and attention_stats(kl_to=...)
+through them on an sm_90 GPU: that it takes that path, its KL and gradients against float64 with O
+in the same loss, heads weighted apart (the per-key-head scaling of dS in fp16), a reference with
+mass on a causally hidden key (+inf), O and lse from flash attention or from our statistics kernel
+alike, a fresh autograd thread, and what it declines."""
 import math
 import threading
 
@@ -20,14 +21,18 @@ ops = torch.ops.sdpa_math
 F64 = torch.float64
 
 
-def rows_want(r, causal):
-    """R, Σ r log r and the causally hidden mass of r, in float64, straight from the definitions."""
+def kl_rows_want(r, causal, q, u, lse, scale):
+    """The KL per row and R, in float64, straight from the definitions: Σ r log r (0 log 0 = 0)
+    − scale q·u + R lse (0 where R = 0), +inf where causality hides a key r has mass on."""
     r = r.double()
     L, S = r.shape[-2:]
     xlogx = torch.where(r != 0, r * torch.log(torch.where(r != 0, r, torch.ones_like(r))), torch.zeros_like(r))
     hidden = torch.ones(L, S, dtype=torch.bool, device=r.device).triu(1) if causal else torch.zeros(L, S, dtype=torch.bool,
                                                                                                        device=r.device)
-    return r.sum(-1), xlogx.sum(-1), torch.where(hidden, r, 0.0).sum(-1)
+    R = r.sum(-1)
+    kl = xlogx.sum(-1) - scale * (q.double() * u.double()).sum(-1) + torch.where(R != 0, R * lse.double(), 0.0)
+    kl = torch.where(torch.where(hidden, r, 0.0).sum(-1) > 0, float("inf"), kl)
+    return kl, R
 
 
 def ref_map(shape, dtype, device, gen, causal=False, zeros=True):
@@ -48,22 +53,29 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, F64], ids=dtype_id)
 @pytest.mark.parametrize("layout", ["contiguous", "transposed", "broadcast", "odd_keys"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_kl_reference_rows_match_their_definitions(device, dtype, layout, causal):
+def test_kl_rows_match_their_definitions(device, dtype, layout, causal):
+    """kl_rows for 4 dtypes and 4 layouts of r (16-byte row loads, strided rows, a map broadcast
+    over heads, a key count past the 8-element loads), a query broadcast over batches and a
+    strided u; causal rows with mass right of the diagonal are +inf, the others finite."""
     gen = torch.Generator().manual_seed(3)
-    S = 37 if layout == "odd_keys" else 64
+    S, E = (37 if layout == "odd_keys" else 64), 24
     r = ref_map((2, 3, 24, S), dtype, device, gen, causal=False)
+    r[0, 0, :4] = 0.0  # rows with R = 0 (no lse term) ...
+    r[0, 0, 2:4, 5] = 0.5  # ... and, under causality, rows 2 and 3 with mass on a hidden key
     if layout == "transposed":  # rows and heads swapped in memory: no 16-byte row loads
         r = r.transpose(1, 2).contiguous().transpose(1, 2)
     elif layout == "broadcast":  # one map for every head
         r = r[:, :1].expand(2, 3, 24, S)
-    R, H, M = ops.kl_reference_rows(r, causal)
-    want = rows_want(r, causal)
     stat = F64 if dtype == F64 else torch.float32
-    for name, got, w in zip(("R", "H", "hidden"), (R, H, M), want):
+    q = torch.randn(1, 3, 24, E, generator=gen, dtype=F64).to(device, dtype).expand(2, 3, 24, E)
+    u = torch.randn(2, 3, E, 24, generator=gen, dtype=F64).to(device, stat).transpose(-2, -1)
+    lse = torch.randn(2, 3, 24, generator=gen, dtype=F64).to(device, stat) + 3.0
+    kl, R = ops.kl_rows(r, causal, q, u, lse, 0.7)
+    want_kl, want_R = kl_rows_want(r, causal, q, u, lse, 0.7)
+    for name, got, w in (("kl", kl, want_kl), ("R", R, want_R)):
         assert got.dtype == stat and got.shape == r.shape[:-1], name
-        torch.testing.assert_close(got.double(), w, rtol=2e-6 if stat == torch.float32 else 1e-12, atol=1e-6, msg=name)
-    if causal:
-        assert (M > 0).any()  # the random map has mass right of the diagonal: the check above saw it
+        torch.testing.assert_close(got.double(), w, rtol=2e-6 if stat == torch.float32 else 1e-12, atol=2e-5, msg=name)
+    assert torch.isinf(kl).any() == causal and torch.isfinite(kl[1]).all() != causal
 
 
 def kl_backward_want(q, k, r, R, g, scale, causal, gqa):
@@ -112,7 +124,13 @@ def test_kl_backward_names_bad_inputs():
     with pytest.raises(RuntimeError, match="grad_kl has shape"):
         ops.kl_backward(q, q, q, False, None, False, lse, r[..., :4], lse, lse[..., :3], [True, True])
     with pytest.raises(RuntimeError, match="reference must have at least 2 dims"):
-        ops.kl_reference_rows(torch.rand(5), False)
+        ops.kl_rows(torch.rand(5), False, q, q, lse, 1.0)
+    with pytest.raises(RuntimeError, match=r"ref_keys has shape \(1, 2, 4, 7\), expected \(1, 2, 4, 8\)"):
+        ops.kl_rows(r[..., :4], False, q, torch.zeros(1, 2, 4, 7), lse, 1.0)
+    with pytest.raises(RuntimeError, match="ref_keys has dtype bfloat16, expected float32 or float64"):
+        ops.kl_rows(r[..., :4], False, q, q.bfloat16(), lse, 1.0)
+    with pytest.raises(RuntimeError, match=r"logsumexp has shape \(1, 2, 3\), expected \(1, 2, 4\)"):
+        ops.kl_rows(r[..., :4], False, q, q, lse[..., :3], 1.0)
 
 
 @pytest.mark.parametrize("case", ["causal_gqa", "broadcast_q"])
@@ -139,11 +157,11 @@ def test_o_gradient_by_chunks_equals_the_whole_backward(case):
 
 
 @pytest.mark.parametrize("gqa", [False, True])
-def test_ref_logit_sums_is_the_sum_of_r_times_the_logits(gqa, monkeypatch):
+def test_ref_keys_give_the_sum_of_r_times_the_logits(gqa, monkeypatch):
     """_KLFused's Σ_j r_ij x_ij as scale · q_i · (r K)_i, a GQA group's rows stacked against its
-    key head: equal to the sum over the L×S logits. Its product (bmm with fp32 results) exists only
-    on CUDA; here a float64 product stands in for it, so the reshaping and the grouping are
-    what is checked."""
+    key head: kl_rows with _ref_keys' u gives the KL computed over the L×S logits. The product
+    (bmm with fp32 results) exists only on CUDA; here a float64 product stands in for it, so the
+    reshaping and the grouping are what is checked."""
     monkeypatch.setattr(stats_module, "_bmm_fp32", lambda a, b: a.double() @ b.double())
     gen = torch.Generator().manual_seed(47)
     B, H, Hkv, L, S, E = 2, 4, 2 if gqa else 4, 5, 7, 8
@@ -151,8 +169,13 @@ def test_ref_logit_sums_is_the_sum_of_r_times_the_logits(gqa, monkeypatch):
     k = torch.randn(B, Hkv, S, E, generator=gen, dtype=F64)
     r = torch.rand(B, H, L, S, generator=gen, dtype=F64)
     kk = k.repeat_interleave(H // Hkv, dim=1)
-    want = (r * (q @ kk.transpose(-2, -1)) * 0.5).sum(-1)
-    torch.testing.assert_close(stats_module._ref_logit_sums(r, q, k, 0.5, gqa), want, rtol=1e-12, atol=1e-12)
+    x = (q @ kk.transpose(-2, -1)) * 0.5
+    lse = torch.logsumexp(x, -1)
+    want = (r * (torch.log(r) - (x - lse[..., None]))).sum(-1)
+    u = stats_module._ref_keys(r, k, gqa)
+    assert u.shape == (B, H, L, E)
+    kl, _ = ops.kl_rows(r, False, q, u, lse, 0.5)
+    torch.testing.assert_close(kl, want, rtol=1e-12, atol=1e-12)
     assert stats_module._ref_product_view(r, k, gqa) is not None
     assert stats_module._ref_product_view(r[:, :1].expand(B, H, L, S), k, gqa) is None  # would copy r
     assert stats_module._ref_product_view(r.transpose(1, 2).contiguous().transpose(1, 2), k, gqa) is None
@@ -254,6 +277,34 @@ def test_kl_to_fused_gradient_with_rows_weighted_apart(dtype):
 
 
 @sm90_only
+@pytest.mark.parametrize("case", ["causal_gqa", "mha"])
+def test_kl_to_takes_o_and_lse_from_flash_or_from_the_statistics_kernel_alike(case):
+    """_o_and_lse: PyTorch's flash attention where it applies (here: L = S, GQA), our statistics
+    kernel with flash disabled; the same O to fp16 rounding, the same KL within 1e-5 and the same
+    gradients. Causal with L ≠ S never goes to flash (its causal diagonal is bottom-right)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    gen = torch.Generator().manual_seed(53)
+    B, H, Hkv, L, S, E, causal = FUSED_CASES[case]
+    q, k, v = (torch.randn(B, h, n, E, generator=gen).cuda().half().requires_grad_() for h, n in ((H, L), (Hkv, S), (Hkv, S)))
+    r = ref_map((B, H, L, S), torch.float16, "cuda", gen, causal=causal)
+    kw = dict(is_causal=causal, enable_gqa=Hkv != H)
+    assert stats_module._flash_applies(q, k, v, causal, Hkv != H)
+    assert not stats_module._flash_applies(q[:, :, :L // 2], k, v, True, Hkv != H)
+    (o_f, st_f), kernels_f = cuda_kernels(lambda: attention_stats(q, k, v, kl_to=r, **kw))
+    assert any("flash" in n.lower() for n in kernels_f) and not any("forward_sm90" in n for n in kernels_f), kernels_f
+    with sdpa_kernel([SDPBackend.MATH]):  # flash off: the statistics kernel gives O and lse
+        assert not stats_module._flash_applies(q, k, v, causal, Hkv != H)
+        (o_s, st_s), kernels_s = cuda_kernels(lambda: attention_stats(q, k, v, kl_to=r, **kw))
+    assert any("forward_sm90" in n for n in kernels_s), kernels_s
+    torch.testing.assert_close(o_f, o_s, rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(st_f["kl_to"], st_s["kl_to"], rtol=1e-5, atol=1e-5)
+    g_f = torch.autograd.grad(st_f["kl_to"].sum() + o_f.float().sum(), (q, k, v))
+    g_s = torch.autograd.grad(st_s["kl_to"].sum() + o_s.float().sum(), (q, k, v))
+    for name, a, b in zip(("dq", "dk", "dv"), g_f, g_s):
+        assert rel_err(a, b.double().cpu()) <= 2e-3, (name, rel_err(a, b.double().cpu()))
+
+
+@sm90_only
 def test_kl_to_fused_is_inf_where_the_reference_has_mass_on_a_hidden_key():
     gen = torch.Generator().manual_seed(29)
     q, k, v = (torch.randn(1, 2, 64, 64, generator=gen).cuda().half() for _ in range(3))
@@ -312,7 +363,7 @@ def test_kl_backward_runs_its_kernel_from_a_fresh_thread():
     q, k, v = (torch.randn(2, 4, 128, 64, generator=gen).cuda().half() for _ in range(3))
     r = ref_map((2, 4, 128, 128), torch.float16, "cuda", gen)
     _, _, lse = ops.forward(q, k, v, None, 0.0, False, None, None, False, None)
-    R, _, _ = ops.kl_reference_rows(r, False)
+    R = r.float().sum(-1)
     g = torch.rand(2, 4, 128, generator=gen).cuda()
     args = (q, k, v, False, None, False, lse, r, R, g, [True, True])
     result = {}

@@ -295,21 +295,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_kernel(
   });
 }
 
-// kl_to's pieces (sdpa_math::kl_reference_rows, kl_backward; python/sdpa_math/stats.py uses them
-// on CUDA where kl_backward_has_kernel says so). kl_reference_rows returns R, H = Σ r log r and
-// the causally hidden mass per row, in float32 (float64 for a float64 reference).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> kl_reference_rows_kernel(const at::Tensor& reference, bool is_causal) {
+// kl_to's pieces (sdpa_math::kl_rows, kl_backward; python/sdpa_math/stats.py uses them on CUDA
+// where kl_backward_has_kernel says so). kl_rows returns the KL per row and R = Σ_j r, in float32
+// (float64 for a float64 reference), from the reference, q, u = r K and the lse.
+std::tuple<at::Tensor, at::Tensor> kl_rows_kernel(const at::Tensor& reference, bool is_causal, const at::Tensor& query,
+                                                  const at::Tensor& ref_keys, const at::Tensor& logsumexp, double scale) {
   return checked([&] {
     const at::OptionalDeviceGuard guard(at::device_of(reference));
-    TORCH_CHECK(reference.dim() >= 2, "kl_reference_rows: reference must have at least 2 dims, got ", reference.dim());
+    TORCH_CHECK(reference.dim() >= 2, "kl_rows: reference must have at least 2 dims, got ", reference.dim());
     const auto stat = reference.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
     std::vector<int64_t> rows(reference.sizes().begin(), reference.sizes().end() - 1);
-    at::Tensor R = at::empty(rows, reference.options().dtype(stat)), H = at::empty(rows, reference.options().dtype(stat)),
-               M = at::empty(rows, reference.options().dtype(stat));
-    poison({&R, &H, &M});
-    sdpa_math::kl_reference_rows(backend_for(reference), view_of(reference), is_causal, view_of(R), view_of(H), view_of(M),
-                                 cuda_execution(reference));
-    return std::make_tuple(R, H, M);
+    at::Tensor kl = at::empty(rows, reference.options().dtype(stat)), R = at::empty(rows, reference.options().dtype(stat));
+    poison({&kl, &R});
+    sdpa_math::KlRowsArgs a;
+    a.reference = view_of(reference);
+    a.query = view_of(query);
+    a.ref_keys = view_of(ref_keys);
+    a.logsumexp = view_of(logsumexp);
+    a.scale = scale;
+    a.is_causal = is_causal;
+    sdpa_math::kl_rows(backend_for(reference), a, view_of(kl), view_of(R), cuda_execution(reference));
+    return std::make_tuple(kl, R);
   });
 }
 
@@ -402,7 +408,9 @@ TORCH_LIBRARY(sdpa_math, m) {
   m.def(
       "forward_stats_has_kernel(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, bool is_causal, float? scale, "
       "bool enable_gqa, bool col_sum, bool row_entropy, int rows_count) -> bool");
-  m.def("kl_reference_rows(Tensor reference, bool is_causal) -> (Tensor row_sum, Tensor row_xlogx, Tensor hidden_mass)");
+  m.def(
+      "kl_rows(Tensor reference, bool is_causal, Tensor query, Tensor ref_keys, Tensor logsumexp, float scale) "
+      "-> (Tensor kl, Tensor row_sum)");
   m.def(
       "kl_backward(Tensor query, Tensor key, Tensor value, bool is_causal, float? scale, bool enable_gqa, Tensor logsumexp, "
       "Tensor reference, Tensor ref_row_sum, Tensor grad_kl, bool[2] output_mask) -> (Tensor grad_query, Tensor grad_key)");
@@ -416,7 +424,7 @@ TORCH_LIBRARY_IMPL(sdpa_math, CPU, m) {
   m.impl("backward", &backward_kernel);
   m.impl("forward_stats", &forward_stats_kernel);
   m.impl("forward_stats_has_kernel", &forward_stats_has_kernel_op);
-  m.impl("kl_reference_rows", &kl_reference_rows_kernel);
+  m.impl("kl_rows", &kl_rows_kernel);
   m.impl("kl_backward", &kl_backward_kernel);
   m.impl("kl_backward_has_kernel", &kl_backward_has_kernel_op);
 }
@@ -427,7 +435,7 @@ TORCH_LIBRARY_IMPL(sdpa_math, CUDA, m) {
   m.impl("backward", &backward_kernel);
   m.impl("forward_stats", &forward_stats_kernel);
   m.impl("forward_stats_has_kernel", &forward_stats_has_kernel_op);
-  m.impl("kl_reference_rows", &kl_reference_rows_kernel);
+  m.impl("kl_rows", &kl_rows_kernel);
   m.impl("kl_backward", &kl_backward_kernel);
   m.impl("kl_backward_has_kernel", &kl_backward_has_kernel_op);
 }
@@ -443,7 +451,7 @@ TORCH_LIBRARY_IMPL(sdpa_math, CUDA, m) {
   m.impl("backward", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
   m.impl("forward_stats", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
   m.impl("forward_stats_has_kernel", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
-  m.impl("kl_reference_rows", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
+  m.impl("kl_rows", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
   m.impl("kl_backward", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
   m.impl("kl_backward_has_kernel", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
 }
