@@ -14,8 +14,8 @@ at a time: peak memory is O(chunk_rows * S) per head, and nothing P-sized outliv
 kl_to alone with a gradient has its own autograd function per chunk (_KLChunk), which also keeps
 the chunk's O and lse and forms the KL's gradient to the logits directly. On CUDA, where the
 Hopper kernels take the inputs (no mask, the reference in the inputs' dtype), kl_to alone runs
-whole, never forming P (_KLFused): O and lse from PyTorch's flash attention (or our statistics
-kernel where flash declines), the KL as Σ r log r − Σ r x + R lse from one product u = r K and
+whole, never forming P (_KLFused): O and lse from PyTorch's fused attention (cuDNN or flash, as
+its own SDPA chooses; our statistics kernel where none applies), the KL as Σ r log r − Σ r x + R lse from one product u = r K and
 one pass over the reference (kl_rows), and the gradient from the Hopper backward's KL form, which
 recomputes P tile by tile from the lse.
 
@@ -357,27 +357,42 @@ def _kl_fused_applies(q, k, v, m, ref, is_causal, scale, enable_gqa, lead):
     return ops.kl_backward_has_kernel(q, k, v, is_causal, scale, enable_gqa, rows, r, rows, rows)
 
 
-def _flash_applies(q, k, v, is_causal, enable_gqa):
-    """Whether PyTorch's own flash attention takes (q, k, v) for O and lse: 4-dim inputs of one
-    batch (it broadcasts nothing), enabled, and its own conditions (dtype, head size, GPU, causal
-    only with L = S: its causal diagonal is bottom-right, the contract's top-left)."""
-    if not (q.dim() == k.dim() == v.dim() == 4 and q.shape[0] == k.shape[0] == v.shape[0]
-            and torch.backends.cuda.flash_sdp_enabled()):
-        return False
+# PyTorch's fused SDPA kernels that return the lse (torch.nn.attention.SDPBackend's numbering).
+_FLASH, _EFFICIENT, _CUDNN = 1, 2, 3
+
+
+def _pytorch_fused_choice(q, k, v, is_causal, scale, enable_gqa):
+    """Which of PyTorch's fused kernels scaled_dot_product_attention would run for the unmasked
+    problem (torch._fused_sdp_choice: the user's enabled backends and each kernel's own rules),
+    or 0 where none should: inputs not 4-dim of one batch (they broadcast nothing), and causal
+    with L ≠ S (the contract's diagonal is top-left; kept off whatever a kernel's alignment)."""
+    if not (q.dim() == k.dim() == v.dim() == 4 and q.shape[0] == k.shape[0] == v.shape[0]):
+        return 0
     if is_causal and q.shape[-2] != k.shape[-2]:
-        return False
-    params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, is_causal, enable_gqa)
-    return torch.backends.cuda.can_use_flash_attention(params, False)
+        return 0
+    return int(torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa))
 
 
 def _o_and_lse(q, k, v, is_causal, scale, enable_gqa):
-    """O and the lse (fp32, natural log) of the unmasked problem, without P: from PyTorch's flash
-    attention where it applies (2.5x faster than our statistics kernel's one pass on the H200,
-    run v58: 0.063 against 0.160 ms on prefill1k_d128), else from the statistics kernel with
-    nothing asked."""
-    if _flash_applies(q, k, v, is_causal, enable_gqa):
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)[:2]
-        return o, lse[..., :q.shape[-2]].contiguous()  # (B, H, L); wider in some PyTorch builds
+    """O and the lse (fp32, natural log, (B, H, L)) of the unmasked problem, without P: from the
+    fused kernel PyTorch's own scaled_dot_product_attention would choose, where it returns an lse
+    (on the H200 cuDNN's or flash's forward: 0.063 and 0.111 ms on prefill1k_d128 against our
+    statistics kernel's one pass, 0.160, runs v58 and v59), else from the statistics kernel with
+    nothing asked. The O is then the one F.scaled_dot_product_attention gives."""
+    choice = _pytorch_fused_choice(q, k, v, is_causal, scale, enable_gqa)
+    out = None
+    if choice == _FLASH:
+        out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
+    elif choice == _CUDNN:
+        out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, is_causal, False, scale=scale)
+    elif choice == _EFFICIENT:
+        out = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, is_causal, scale=scale)
+    if out is not None:
+        o, lse = out[0], out[1]
+        lse = lse[..., 0] if lse.dim() == 4 else lse  # cuDNN: (B, H, L, 1)
+        lse = lse[..., :q.shape[-2]]  # efficient: rows padded to a multiple of 32
+        if lse.shape == q.shape[:-1] and lse.dtype == torch.float32 and o.shape == q.shape[:-1] + (v.shape[-1],):
+            return o, lse.contiguous()
     o, lse, *_ = ops.forward_stats(q, k, v, None, is_causal, scale, enable_gqa, False, False, 0, 0, 1)
     return o, lse
 

@@ -6,6 +6,8 @@
 // bandwidth. Sums in the outputs' dtype (fp32, or fp64).
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include "backend.h"
 #include "device_problem.cuh"
 #include "launch.cuh"
@@ -28,13 +30,23 @@ struct RowsLayout {
   DType query = DType::Float16, keys = DType::Float32, lse = DType::Float32;
 };
 
-// Eight rows (warps) a block, at least four blocks an SM (at most 64 registers): a streaming
-// kernel needs its loads in flight, and ptxas gave 125 registers (two blocks an SM) unbounded.
-template <typename T, typename Acc, bool VEC>
+template <typename Acc, typename T>
+SDPA_MATH_D Acc as_acc(T x) {
+  if constexpr (sizeof(T) == 2) return static_cast<Acc>(to_float<T>(x));
+  else return static_cast<Acc>(x);
+}
+
+// Eight rows (warps) a block, at least four blocks an SM (at most 64 registers). The kernel is a
+// stream: every load a warp needs is issued before the first is used (the row vectors first,
+// then four 16-byte chunks of the row a lane), so a row costs one memory latency, not several.
+// v59's first version summed q·u in a loop of dependent loads after the row and ran at 1.25 TB/s.
+// TYPED_QU: q in r's dtype and u in Acc's, both with unit column stride and E ≤ 256 (8 a lane),
+// loaded directly; other layouts go through the dtype switch one element at a time.
+template <typename T, typename Acc, bool VEC, bool TYPED_QU>
 __global__ void __launch_bounds__(256, 4) kl_rows_kernel(const T* __restrict__ r, const char* __restrict__ q,
-                                                      const char* __restrict__ u, const char* __restrict__ lse,
-                                                      RowsLayout d, Acc* kl, Acc* row_sum, int64_t rows, Acc scale,
-                                                      bool causal) {
+                                                         const char* __restrict__ u, const char* __restrict__ lse,
+                                                         RowsLayout d, Acc* kl, Acc* row_sum, int64_t rows, Acc scale,
+                                                         bool causal) {
   const int64_t n = blockIdx.x * 8LL + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (n >= rows) return;
@@ -42,7 +54,7 @@ __global__ void __launch_bounds__(256, 4) kl_rows_kernel(const T* __restrict__ r
   int64_t i = 0;  // the row's query index
   {
     int64_t rest = n;
-#pragma unroll 1  // unrolled over kMaxDims, it held every view's strides in registers (125 of them)
+#pragma unroll 1  // unrolled over kMaxDims, it held every view's strides in registers
     for (int k = d.nd - 2; k >= 0; --k) {
       const int64_t idx = rest % d.shape[k];
       rest /= d.shape[k];
@@ -50,6 +62,29 @@ __global__ void __launch_bounds__(256, 4) kl_rows_kernel(const T* __restrict__ r
 #pragma unroll
       for (int v = 0; v < kViews; ++v) off[v] += idx * d.row[v][k];
     }
+  }
+  const Acc l = lane == 0 ? load_elem<Acc>(d.lse, lse, off[kLse]) : Acc(0);
+  Acc qu = 0;  // q_i · u_i, the row's Σ_j r x before the scale
+  if constexpr (TYPED_QU) {
+    const T* qr = reinterpret_cast<const T*>(q) + off[kQuery];
+    const Acc* ur = reinterpret_cast<const Acc*>(u) + off[kKeys];
+    T qe[8];
+    Acc ue[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const int e = lane + 32 * k;
+      if (e < d.E) {
+        qe[k] = qr[e];
+        ue[k] = ur[e];
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k)
+      if (lane + 32 * k < d.E) qu += as_acc<Acc>(qe[k]) * ue[k];
+  } else {
+#pragma unroll 1  // unrolled, the two dtype switches took ~90 registers
+    for (int64_t e = lane; e < d.E; e += 32)
+      qu += load_elem<Acc>(d.query, q, off[kQuery] + e * d.col[kQuery]) * load_elem<Acc>(d.keys, u, off[kKeys] + e * d.col[kKeys]);
   }
   const int64_t S = d.shape[d.nd - 1];
   const T* row = r + off[kRef];
@@ -62,36 +97,37 @@ __global__ void __launch_bounds__(256, 4) kl_rows_kernel(const T* __restrict__ r
     if constexpr (sizeof(Acc) == 8) h += x != Acc(0) ? x * log2(x) : Acc(0);
     else h += x != 0.0f ? x * __log2f(x) : 0.0f;
   };
-  if constexpr (VEC) {  // 8 16-bit elements a load
-#pragma unroll 4
-    for (int64_t j = lane * 8; j < S; j += 256) {
-      const uint4 raw = *reinterpret_cast<const uint4*>(row + j);
-      const T* e = reinterpret_cast<const T*>(&raw);
-      Acc x[8];
+  if constexpr (VEC) {  // 8 16-bit elements a 16-byte load, four loads a lane in flight
+    for (int64_t j0 = lane * 8; j0 < S; j0 += 4 * 256) {
+      uint4 raw[4];
 #pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        x[k] = to_float<T>(e[k]);
-        add(x[k]);
-      }
-      if (causal && j + 7 > i) {  // the chunk reaches past the diagonal: its hidden keys
+      for (int b = 0; b < 4; ++b)
+        if (j0 + b * 256 < S) raw[b] = __ldcs(reinterpret_cast<const uint4*>(row + j0 + b * 256));  // read once: streamed
 #pragma unroll
-        for (int k = 0; k < 8; ++k) hid += j + k > i ? x[k] : Acc(0);
+      for (int b = 0; b < 4; ++b) {
+        const int64_t j = j0 + b * 256;
+        if (j >= S) break;
+        const T* e = reinterpret_cast<const T*>(&raw[b]);
+        Acc x[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          x[k] = as_acc<Acc>(e[k]);
+          add(x[k]);
+        }
+        if (causal && j + 7 > i) {  // the chunk reaches past the diagonal: its hidden keys
+#pragma unroll
+          for (int k = 0; k < 8; ++k) hid += j + k > i ? x[k] : Acc(0);
+        }
       }
     }
   } else {
     const int64_t col = d.col[kRef];
     for (int64_t j = lane; j < S; j += 32) {
-      Acc x;
-      if constexpr (sizeof(T) == 2) x = to_float<T>(row[j * col]);
-      else x = static_cast<Acc>(row[j * col]);
+      const Acc x = as_acc<Acc>(row[j * col]);
       add(x);
       if (causal && j > i) hid += x;
     }
   }
-  Acc qu = 0;  // q_i · u_i, the row's Σ_j r x before the scale (a few elements a lane)
-#pragma unroll 1  // unrolled, the two dtype switches took ~90 registers
-  for (int64_t e = lane; e < d.E; e += 32)
-    qu += load_elem<Acc>(d.query, q, off[kQuery] + e * d.col[kQuery]) * load_elem<Acc>(d.keys, u, off[kKeys] + e * d.col[kKeys]);
   for (int s = 16; s > 0; s >>= 1) {
     sum += __shfl_xor_sync(0xffffffffu, sum, s);
     h += __shfl_xor_sync(0xffffffffu, h, s);
@@ -99,7 +135,6 @@ __global__ void __launch_bounds__(256, 4) kl_rows_kernel(const T* __restrict__ r
     qu += __shfl_xor_sync(0xffffffffu, qu, s);
   }
   if (lane == 0) {
-    const Acc l = load_elem<Acc>(d.lse, lse, off[kLse]);
     Acc value = h * Acc(0.69314718055994530942) - scale * qu + (sum != Acc(0) ? sum * l : Acc(0));
     if (hid > Acc(0)) value = static_cast<Acc>(INFINITY);
     kl[off[kKl]] = value;
@@ -121,15 +156,19 @@ void launch_rows(const KlRowsArgs& a, const RowsLayout& d, const TensorView& kl,
   const auto* u = static_cast<const char*>(a.ref_keys.data);
   const auto* lse = static_cast<const char*>(a.logsumexp.data);
   const Acc scale = static_cast<Acc>(a.scale);
+  const bool typed_qu = a.query.dtype == a.reference.dtype && a.ref_keys.dtype == (sizeof(Acc) == 8 ? DType::Float64 : DType::Float32) &&
+                        d.col[kQuery] == 1 && d.col[kKeys] == 1 && d.E <= 256;
+  auto run = [&](auto vec, auto typed) {
+    kl_rows_kernel<T, Acc, decltype(vec)::value, decltype(typed)::value>
+        <<<grid, 256, 0, stream>>>(data, q, u, lse, d, out_kl, out_r, rows, scale, a.is_causal);
+    check_launch("KL rows");
+  };
+  using Yes = std::true_type;
+  using No = std::false_type;
   if constexpr (sizeof(T) == 2) {
-    if (vec) {
-      kl_rows_kernel<T, Acc, true><<<grid, 256, 0, stream>>>(data, q, u, lse, d, out_kl, out_r, rows, scale, a.is_causal);
-      check_launch("KL rows");
-      return;
-    }
+    if (vec) return typed_qu ? run(Yes{}, Yes{}) : run(Yes{}, No{});
   }
-  kl_rows_kernel<T, Acc, false><<<grid, 256, 0, stream>>>(data, q, u, lse, d, out_kl, out_r, rows, scale, a.is_causal);
-  check_launch("KL rows");
+  return typed_qu ? run(No{}, Yes{}) : run(No{}, No{});
 }
 
 template <typename Acc>

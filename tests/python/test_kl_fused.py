@@ -4,8 +4,8 @@ reference; on CUDA the row kernel and the Hopper backward's KL form); on the CPU
 helpers of the fused path (O's gradient by chunks, r K's reshaping); and attention_stats(kl_to=...)
 through them on an sm_90 GPU: that it takes that path, its KL and gradients against float64 with O
 in the same loss, heads weighted apart (the per-key-head scaling of dS in fp16), a reference with
-mass on a causally hidden key (+inf), O and lse from flash attention or from our statistics kernel
-alike, a fresh autograd thread, and what it declines."""
+mass on a causally hidden key (+inf), O and lse from PyTorch's fused kernels (cuDNN, flash,
+efficient) or from our statistics kernel alike, a fresh autograd thread, and what it declines."""
 import math
 import threading
 
@@ -277,30 +277,40 @@ def test_kl_to_fused_gradient_with_rows_weighted_apart(dtype):
 
 
 @sm90_only
+@pytest.mark.parametrize("backend", ["FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"])
 @pytest.mark.parametrize("case", ["causal_gqa", "mha"])
-def test_kl_to_takes_o_and_lse_from_flash_or_from_the_statistics_kernel_alike(case):
-    """_o_and_lse: PyTorch's flash attention where it applies (here: L = S, GQA), our statistics
-    kernel with flash disabled; the same O to fp16 rounding, the same KL within 1e-5 and the same
-    gradients. Causal with L ≠ S never goes to flash (its causal diagonal is bottom-right)."""
+def test_kl_to_takes_o_and_lse_from_pytorchs_fused_kernels_or_ours_alike(case, backend):
+    """_o_and_lse: O and lse from the fused kernel PyTorch's SDPA would choose among the enabled
+    backends (here one at a time), or, where it chooses none (MATH only, or the backend declines
+    the case), from our statistics kernel: the same O to fp16 rounding, the same KL within 1e-5
+    and the same gradients either way. Causal with L ≠ S never goes to PyTorch's kernels."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     gen = torch.Generator().manual_seed(53)
     B, H, Hkv, L, S, E, causal = FUSED_CASES[case]
     q, k, v = (torch.randn(B, h, n, E, generator=gen).cuda().half().requires_grad_() for h, n in ((H, L), (Hkv, S), (Hkv, S)))
     r = ref_map((B, H, L, S), torch.float16, "cuda", gen, causal=causal)
     kw = dict(is_causal=causal, enable_gqa=Hkv != H)
-    assert stats_module._flash_applies(q, k, v, causal, Hkv != H)
-    assert not stats_module._flash_applies(q[:, :, :L // 2], k, v, True, Hkv != H)
-    (o_f, st_f), kernels_f = cuda_kernels(lambda: attention_stats(q, k, v, kl_to=r, **kw))
-    assert any("flash" in n.lower() for n in kernels_f) and not any("forward_sm90" in n for n in kernels_f), kernels_f
-    with sdpa_kernel([SDPBackend.MATH]):  # flash off: the statistics kernel gives O and lse
-        assert not stats_module._flash_applies(q, k, v, causal, Hkv != H)
-        (o_s, st_s), kernels_s = cuda_kernels(lambda: attention_stats(q, k, v, kl_to=r, **kw))
+
+    def run():
+        (o, st), kernels = cuda_kernels(lambda: attention_stats(q, k, v, kl_to=r, **kw))
+        grads = torch.autograd.grad(st["kl_to"].sum() + o.float().sum(), (q, k, v))
+        return o, st["kl_to"], grads, kernels
+
+    with sdpa_kernel([getattr(SDPBackend, backend)]):
+        choice = stats_module._pytorch_fused_choice(q, k, v, causal, None, Hkv != H)
+        assert stats_module._pytorch_fused_choice(q[:, :, :L // 2], k, v, True, None, Hkv != H) == 0
+        o_t, kl_t, g_t, kernels_t = run()
+    with sdpa_kernel([SDPBackend.MATH]):  # no fused kernel: our statistics kernel gives O and lse
+        assert stats_module._pytorch_fused_choice(q, k, v, causal, None, Hkv != H) == 0
+        o_s, kl_s, g_s, kernels_s = run()
     assert any("forward_sm90" in n for n in kernels_s), kernels_s
-    torch.testing.assert_close(o_f, o_s, rtol=2e-3, atol=2e-3)
-    torch.testing.assert_close(st_f["kl_to"], st_s["kl_to"], rtol=1e-5, atol=1e-5)
-    g_f = torch.autograd.grad(st_f["kl_to"].sum() + o_f.float().sum(), (q, k, v))
-    g_s = torch.autograd.grad(st_s["kl_to"].sum() + o_s.float().sum(), (q, k, v))
-    for name, a, b in zip(("dq", "dk", "dv"), g_f, g_s):
+    took_theirs = not any("forward_sm90" in n for n in kernels_t)
+    assert took_theirs == (choice != 0), (choice, kernels_t)
+    if backend == "FLASH_ATTENTION" and case == "mha":  # flash takes it on any sm_80+ GPU
+        assert choice == 1
+    torch.testing.assert_close(o_t, o_s, rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(kl_t, kl_s, rtol=1e-5, atol=1e-5)
+    for name, a, b in zip(("dq", "dk", "dv"), g_t, g_s):
         assert rel_err(a, b.double().cpu()) <= 2e-3, (name, rel_err(a, b.double().cpu()))
 
 
@@ -325,8 +335,10 @@ def test_kl_to_with_a_mask_or_a_float32_reference_keeps_the_composition():
     mask = torch.zeros(64, 64, device="cuda", dtype=torch.half)
     assert not stats_module._kl_fused_applies(q, k, v, mask, r.half(), False, None, False, (1, 2))
     assert not stats_module._kl_fused_applies(q, k, v, None, r, False, None, False, (1, 2))
-    # one map for both heads: r K would copy it to P's size, so the chunks take it
-    assert not stats_module._kl_fused_applies(q, k, v, None, r.half()[:, :1], False, None, False, (1, 2))
+    # a (B, L, H, S) layout: r K would copy it to P's size, so the chunks take it (one map for
+    # both heads of one batch is taken: it merges into a batch of stride 0, which bmm reads as is)
+    r_blhs = r.half().transpose(1, 2).contiguous().transpose(1, 2)
+    assert not stats_module._kl_fused_applies(q, k, v, None, r_blhs, False, None, False, (1, 2))
     assert stats_module._kl_fused_applies(q, k, v, None, r.half(), False, None, False, (1, 2))
     _, kernels = cuda_kernels(lambda: attention_stats(q, k, v, kl_to=r))
     assert not any("backward_sm90" in n for n in kernels)

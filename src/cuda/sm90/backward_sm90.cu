@@ -497,9 +497,12 @@ __global__ void __launch_bounds__(256) kl_rows_prep(const DevProblem p, const Ar
     __shared__ float part[8];
     float m = 0.0f;
     for (int64_t gi = 0; gi < a.group; ++gi) {
+      // one unravel per head, not per element (the int64 divisions were most of this loop)
       const int64_t lead = query_lead(a, kv, gi);
+      const float* g_row = reinterpret_cast<const float*>(grad_kl.data) + lead_off(p, grad_kl, lead);
+      const float* r_row = reinterpret_cast<const float*>(row_sum.data) + lead_off(p, row_sum, lead);
       for (int64_t i = threadIdx.x; i < p.L; i += blockDim.x) {
-        const float v = fabsf(at(grad_kl, lead, i) * at(row_sum, lead, i));
+        const float v = fabsf(g_row[i * grad_kl.row] * r_row[i * row_sum.row]);
         if (isfinite(v)) m = fmaxf(m, v);
       }
     }
