@@ -370,7 +370,10 @@ def _pytorch_fused_choice(q, k, v, is_causal, scale, enable_gqa):
         return 0
     if is_causal and q.shape[-2] != k.shape[-2]:
         return 0
-    return int(torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa))
+    try:
+        return int(torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa))
+    except RuntimeError:  # none of the enabled backends takes it (and the math op is disabled)
+        return 0
 
 
 def _o_and_lse(q, k, v, is_causal, scale, enable_gqa):

@@ -52,17 +52,21 @@ __global__ void __launch_bounds__(256, 4) kl_rows_kernel(const T* __restrict__ r
   if (n >= rows) return;
   int64_t off[kViews] = {};
   int64_t i = 0;  // the row's query index
-  {
-    int64_t rest = n;
+  // The unravel in 32 bits where the row count allows (always, short of 2^31 rows): a 64-bit
+  // division is a ~70-instruction call, and three of them cost a warp as much as a 1K-key row.
+  auto unravel = [&](auto rest) {
+    using I = decltype(rest);
 #pragma unroll 1  // unrolled over kMaxDims, it held every view's strides in registers
     for (int k = d.nd - 2; k >= 0; --k) {
-      const int64_t idx = rest % d.shape[k];
-      rest /= d.shape[k];
+      const I dim = static_cast<I>(d.shape[k]), idx = rest % dim;
+      rest /= dim;
       if (k == d.nd - 2) i = idx;
 #pragma unroll
-      for (int v = 0; v < kViews; ++v) off[v] += idx * d.row[v][k];
+      for (int v = 0; v < kViews; ++v) off[v] += static_cast<int64_t>(idx) * d.row[v][k];
     }
-  }
+  };
+  if (rows < (int64_t(1) << 31)) unravel(static_cast<uint32_t>(n));
+  else unravel(n);
   const Acc l = lane == 0 ? load_elem<Acc>(d.lse, lse, off[kLse]) : Acc(0);
   Acc qu = 0;  // q_i · u_i, the row's Σ_j r x before the scale
   if constexpr (TYPED_QU) {

@@ -335,10 +335,12 @@ def test_kl_to_with_a_mask_or_a_float32_reference_keeps_the_composition():
     mask = torch.zeros(64, 64, device="cuda", dtype=torch.half)
     assert not stats_module._kl_fused_applies(q, k, v, mask, r.half(), False, None, False, (1, 2))
     assert not stats_module._kl_fused_applies(q, k, v, None, r, False, None, False, (1, 2))
-    # a (B, L, H, S) layout: r K would copy it to P's size, so the chunks take it (one map for
-    # both heads of one batch is taken: it merges into a batch of stride 0, which bmm reads as is)
-    r_blhs = r.half().transpose(1, 2).contiguous().transpose(1, 2)
-    assert not stats_module._kl_fused_applies(q, k, v, None, r_blhs, False, None, False, (1, 2))
+    # two batches of a (B, L, H, S) layout: r K would copy it to P's size, so the chunks take it
+    # (with one batch its heads merge into one batch dim that bmm reads as is, and it is taken)
+    q2, k2, v2 = (torch.cat([t, t]) for t in (q, k, v))
+    r_blhs = torch.cat([r.half()] * 2).transpose(1, 2).contiguous().transpose(1, 2)
+    assert not stats_module._kl_fused_applies(q2, k2, v2, None, r_blhs, False, None, False, (2, 2))
+    assert stats_module._kl_fused_applies(q2, k2, v2, None, r_blhs.contiguous(), False, None, False, (2, 2))
     assert stats_module._kl_fused_applies(q, k, v, None, r.half(), False, None, False, (1, 2))
     _, kernels = cuda_kernels(lambda: attention_stats(q, k, v, kl_to=r))
     assert not any("backward_sm90" in n for n in kernels)

@@ -349,18 +349,25 @@ __global__ void __launch_bounds__(kThreads, 1)
       // dS_w = g R f · P − g f · r, P = exp2(S scale log2 e − lse log2 e) where the key exists and
       // causality shows it (rows past L: lse = +inf and g = 0, so 0).
       const float lse2[2] = {rv[0], rv[8]}, gr[2] = {rv[kBM], rv[kBM + 8]}, gf[2] = {rv[2 * kBM], rv[2 * kBM + 8]};
+      // Keys this thread's rows see: the warpgroup's columns < seen[r] (past S and, causal, right
+      // of the row's diagonal hidden), so an element costs one 32-bit compare, not two 64-bit ones.
+      int seen[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int64_t jw = j0 + cw * 64, i = i0 + warp * 16 + g + 8 * r;
+        int64_t lim = p.S - jw < 64 ? p.S - jw : 64;
+        if (p.causal && i - jw + 1 < lim) lim = i - jw + 1;
+        seen[r] = static_cast<int>(lim > 0 ? lim : 0);
+      }
 #pragma unroll
       for (int n = 0; n < 8; ++n)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const int64_t i = i0 + warp * 16 + g + 8 * r, j = j0 + cw * 64 + 8 * n + 2 * t;
           const float2 ref = unpack2<T>(a.p_tma ? load32(dp_blk + swizzled(n, r)) : x_raw[n][r]);
           float pr[2];
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const bool seen = j + e < p.S && (!p.causal || j + e <= i);
-            pr[e] = seen ? exp2f(fmaf(dpv[4 * n + 2 * r + e], scale_log2, -lse2[r])) : 0.0f;
-          }
+          for (int e = 0; e < 2; ++e)
+            pr[e] = 8 * n + 2 * t + e < seen[r] ? exp2f(fmaf(dpv[4 * n + 2 * r + e], scale_log2, -lse2[r])) : 0.0f;
           *reinterpret_cast<uint32_t*>(ds_blk + swizzled(n, r)) =
               pack2<T>(fmaf(gr[r], pr[0], -gf[r] * ref.x), fmaf(gr[r], pr[1], -gf[r] * ref.y));
         }
