@@ -29,9 +29,7 @@
 // − lse·log2 e) is recomputed in fp32 from the saved lse, the reference's tile comes where dP_ext
 // does, and there is no dV. The stage's row slot holds three vectors per row (lse·log2 e, g R f,
 // g f, made by kl_rows_prep), f a power of two per key head that keeps fp16's dS out of the
-// subnormal range (1 for bf16), undone in fp32 on dK and dQ. No mask (causality only). Its loop
-// is software-pipelined: a step's exponentials run while the previous step's dK and dQ products
-// do (the other forms run each step's parts one after the other).
+// subnormal range (1 for bf16), undone in fp32 on dK and dQ. No mask (causality only).
 #include <cudaTypedefs.h>
 
 #include <cstdint>
@@ -57,16 +55,13 @@ constexpr int kConsumerRegs = 232;  // 128 * 40 + 256 * 232 <= 65536
 // stages, each one query tile's Q and dO ([64][64] blocks) and P and dP_ext ([64 rows][64 keys]
 // blocks, block w = warpgroup w's keys) and delta of its rows; dS, double-buffered, one [64][64]
 // block per warpgroup.
-// The KL form's stage holds Q and the reference's tile only (no dO, no P): half the bytes, so one
-// stage more, which its pipelined loop needs (it refills a stage one step later than the other
-// forms, see the consumers).
-template <int D, bool KL = false>
+template <int D>
 struct Tiles {
-  static constexpr int kStages = KL ? (D == 64 ? 4 : 3) : (D == 64 ? 3 : 2);
+  static constexpr int kStages = D == 64 ? 3 : 2;
   static constexpr int kRowTileBytes = kBM * D * 2;  // Q or dO
   static constexpr int kMapTileBytes = kBM * kBN * 2;  // P or dP_ext
   static constexpr int kKVBytes = kBN * D * 2;       // K or V
-  static constexpr int kStageBytes = KL ? kRowTileBytes + kMapTileBytes : 2 * kRowTileBytes + 2 * kMapTileBytes;
+  static constexpr int kStageBytes = 2 * kRowTileBytes + 2 * kMapTileBytes;
   static constexpr int kDsBlockBytes = kBM * 64 * 2;
   static constexpr int kDeltaBytes = 3 * kBM * 4;  // per stage: the tile's delta (KL form: three row vectors)
   static constexpr int kBarriers = 2 * kStages + 1;
@@ -125,7 +120,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                   const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_do,
                   const __grid_constant__ CUtensorMap tm_p, const __grid_constant__ CUtensorMap tm_dp,
                   const __grid_constant__ CUtensorMap tm_delta, const DevProblem p, const Args a) {
-  using C = Tiles<D, KL>;
+  using C = Tiles<D>;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* base = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   T* sK = reinterpret_cast<T*>(base);
@@ -139,8 +134,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto stage_q = [&](int st) { return reinterpret_cast<T*>(stages + st * C::kStageBytes); };
   auto stage_do = [&](int st) { return reinterpret_cast<T*>(stages + st * C::kStageBytes + C::kRowTileBytes); };
   auto stage_p = [&](int st) { return reinterpret_cast<T*>(stages + st * C::kStageBytes + 2 * C::kRowTileBytes); };
-  auto stage_dp = [&](int st) {  // KL: the reference's tile, right after Q
-    return reinterpret_cast<T*>(stages + st * C::kStageBytes + (KL ? C::kRowTileBytes : 2 * C::kRowTileBytes + C::kMapTileBytes));
+  auto stage_dp = [&](int st) {
+    return reinterpret_cast<T*>(stages + st * C::kStageBytes + 2 * C::kRowTileBytes + C::kMapTileBytes);
   };
 
   // Key blocks in order, each over every key head: causal blocks with the most query rows first.
@@ -234,7 +229,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   float dk[D / 2], dv[KL ? 1 : D / 2];
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) dk[i] = 0.0f;
-  fence_regs(dk);  // the zeros stay here: sunk below a product in flight they serialise every wgmma
 #pragma unroll
   for (int i = 0; i < (KL ? 1 : D / 2); ++i) dv[i] = 0.0f;
   const T* v_rows = sV + cw * 64 * 64;  // this warpgroup's 64 keys of each V column block
@@ -249,45 +243,40 @@ __global__ void __launch_bounds__(kThreads, 1)
   // counts: steps = group * tiles < 2^31, checked by the launcher).
   const int t_count = static_cast<int>(a.q_tiles > t_first ? a.q_tiles - t_first : 0);
   const int steps = static_cast<int>(a.group) * t_count;
-  if constexpr (KL) {
-    // The KL form, software-pipelined: iteration s issues S(s), then dK(s-1) and dQ(s-1) (whose
-    // dS the previous iteration left in shared memory), waits for S(s) alone (wait<2>: wgmma
-    // groups complete in commit order) and forms dS(s) while the two products run, then waits for
-    // them, adds dQ(s-1) to the accumulator and hands stage s-1 back. Every wgmma sits in the
-    // loop body unconditionally (under a branch, or with S read across the loop's back edge,
-    // ptxas serialises them all): iteration 0 multiplies a zeroed dS buffer (adds 0 to dK, and
-    // its dQ is dropped), and one extra iteration after the last step re-issues the last S, which
-    // nothing reads. A stage is handed back one step later than in the other forms, hence one
-    // stage more (Tiles).
-    int64_t gi = 0, qt = t_first, lead = query_lead(a, kv, 0);
-    float* dq_prev = nullptr;  // where dQ(s-1) goes (this warpgroup's half of its tile)
-    float dpv[32], dq[kDq];
-    uint32_t x_raw[8][2];
+  int64_t gi = 0, qt = t_first, lead = query_lead(a, kv, 0);
+  for (int step = 0; step < steps; ++step) {
+    const int use = step;
+    float* dq_lead = a.dq_acc + lead * a.q_tiles * kBM * D;
+    const int st = use % C::kStages;
+    const int64_t i0 = qt * kBM;
+    mbar_wait(&full[st], (use / C::kStages) & 1);
+    // Row vectors of this thread's rows: delta; KL: lse·log2 e, g R f, g f.
+    const float* rv = sDelta + st * 3 * kBM + warp * 16 + g;
+    const float dl[2] = {rv[0], rv[8]};
+    const T* sQ = stage_q(st);
+    const T* sDO = stage_do(st);
+    T* p_blk = stage_p(st) + cw * kBM * 64;
+    const T* dp_blk = stage_dp(st) + cw * kBM * 64;
+    T* ds_buf = sDS + (use & 1) * 2 * kBM * 64;  // both warpgroups' blocks of this step
+    T* ds_blk = ds_buf + cw * kBM * 64;
+
+    // This thread's pairs of P and dP_ext (rows warp * 16 + g + 8r, keys 8n + 2t..) in the
+    // warpgroup's swizzled block, as TMA writes it.
     auto swizzled = [&](int n, int r) { return swizzled_pair(warp * 16 + g + 8 * r, n, t); };
-    {  // dS buffer 1, which iteration 0's products read, zeroed (this warpgroup's block)
-      uint4* blk = reinterpret_cast<uint4*>(sDS + 2 * kBM * 64 + cw * kBM * 64);
-#pragma unroll
-      for (int k = 0; k < kBM * 64 * 2 / 16 / 128; ++k) blk[k * 128 + tid] = make_uint4(0, 0, 0, 0);
-      fence_proxy_async();
-    }
-    const int iterations = steps > 0 ? steps + 1 : 0;  // no step (a causal key block past every row): dK = 0
-    for (int step = 0; step < iterations; ++step) {
-      const bool real = step < steps;
-      const int st = (real ? step : step - 1) % C::kStages;  // the extra iteration: the last stage again
-      const int prev_st = (step + C::kStages - 1) % C::kStages;
-      const int64_t i0 = qt * kBM;
-      if (real) mbar_wait(&full[st], (step / C::kStages) & 1);
-      // S(s) = Q K_wᵀ (both operands in shared memory).
-      const T* q_tile = stage_q(st);
+    uint32_t p_raw[8][2], x_raw[8][2];
+
+    // dP_w = dO V_wᵀ, then dV_w += P_wᵀ dO; dS needs only the first.
+    float dpv[32];
+    if constexpr (KL) {  // S_w = Q K_wᵀ (both in shared memory, as dO V_wᵀ)
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
         const int b = kk / 4, off = (kk % 4) * 16;
-        Wgmma<T, 64>::template ss<0, 0>(dpv, desc_sw128(q_tile + b * kBM * 64 + off, 16, 1024),
+        Wgmma<T, 64>::template ss<0, 0>(dpv, desc_sw128(sQ + b * kBM * 64 + off, 16, 1024),
                                         desc_sw128(k_rows + b * kBN * 64 + off, 16, 1024), kk > 0);
       }
       wgmma_commit();
-      if (real && !a.p_tma) {  // the reference's pairs from global memory (rows not 16-byte aligned)
+      if (!a.p_tma) {  // the reference's pairs from global memory (rows not 16-byte aligned) while S runs
         const int64_t x_at = lead_off(p, p.grad_probs, lead);
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
@@ -300,153 +289,89 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
       }
-      // dK_w += dS_wᵀ Q and dQ(:, half cw) = dS K over all 128 keys, for step s - 1, once both
-      // warpgroups' dS(s-1) are in shared memory (the zeroed buffer at s = 0: Q of this stage).
-      // The buffer is rewritten two steps later, after both warpgroups passed this barrier again,
-      // each having waited for these products first.
-      named_barrier(3, 256);
-      const T* prev_buf = sDS + ((step + 1) & 1) * 2 * kBM * 64;
-      const T* q_prev = step > 0 ? stage_q(prev_st) : q_tile;
+    } else if constexpr (HAS_DO) {
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const int b = kk / 4, off = (kk % 4) * 16;
+        Wgmma<T, 64>::template ss<0, 0>(dpv, desc_sw128(sDO + b * kBM * 64 + off, 16, 1024),
+                                        desc_sw128(v_rows + b * kBN * 64 + off, 16, 1024), kk > 0);
+      }
+      wgmma_commit();
+    }
+    if (!KL && !a.p_tma) {  // P and dP_ext from global memory while dP runs; P into the stage for dV
+      const int64_t p_at = lead_off(p, p.probs, lead), x_at = a.has_dp ? lead_off(p, p.grad_probs, lead) : 0;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int64_t i = i0 + warp * 16 + g + 8 * r;
+        const T* p_row = reinterpret_cast<const T*>(p.probs.data) + p_at + i * p.probs.row;
+        const T* x_row = reinterpret_cast<const T*>(p.grad_probs.data) + x_at + i * p.grad_probs.row;
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+          const int64_t j = j0 + cw * 64 + 8 * n + 2 * t;  // S is even: a pair is in or out whole
+          const bool in = i < p.L && j < p.S;
+          p_raw[n][r] = in ? load32(p_row + j) : 0u;
+          x_raw[n][r] = in && a.has_dp ? load32(x_row + j) : 0u;
+          *reinterpret_cast<uint32_t*>(p_blk + swizzled(n, r)) = p_raw[n][r];
+        }
+      }
+      fence_proxy_async();
+      named_barrier(1 + cw, 128);
+    }
+    if constexpr (KL) {
+      wgmma_wait<0>();
+      fence_regs(dpv);
+    } else if constexpr (HAS_DO) {
+      fence_regs(dv);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kBM / 16; ++kk)
-        Wgmma<T, D>::template ss<1, 1>(dk, desc_sw128(prev_buf + cw * kBM * 64 + kk * 16 * 64, kBM * 128, 1024),
-                                       desc_sw128(q_prev + kk * 16 * 64, kBM * 128, 1024), 1);
+        Wgmma<T, D>::template ss<1, 1>(dv, desc_sw128(p_blk + kk * 16 * 64, kBM * 128, 1024),
+                                       desc_sw128(sDO + kk * 16 * 64, kBM * 128, 1024), 1);
       wgmma_commit();
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kBN / 16; ++kk) {
-        const int b = kk / 4, off = (kk % 4) * 16;
-        Wgmma<T, D / 2>::template ss<0, 1>(dq, desc_sw128(prev_buf + b * kBM * 64 + off, 16, 1024),
-                                           desc_sw128(k_cols + kk * 16 * 64, kBN * 128, 1024), kk > 0);
-      }
-      wgmma_commit();
-      wgmma_wait<2>();  // S(s) done; dK(s-1) and dQ(s-1) may still run
+      wgmma_wait<1>();
       fence_regs(dpv);
-      if (real) {
-        // dS_w = g R f · P − g f · r, P = exp2(S scale log2 e − lse log2 e) where the key exists
-        // and causality shows it (rows past L: lse = +inf and g = 0, so 0). Keys this thread's
-        // rows see: the warpgroup's columns < seen[r], one 32-bit compare an element.
-        const float* rv = sDelta + st * 3 * kBM + warp * 16 + g;  // lse·log2 e, g R f, g f
-        const T* dp_blk = stage_dp(st) + cw * kBM * 64;
-        T* ds_blk = sDS + (step & 1) * 2 * kBM * 64 + cw * kBM * 64;
-        const float lse2[2] = {rv[0], rv[8]}, gr[2] = {rv[kBM], rv[kBM + 8]}, gf[2] = {rv[2 * kBM], rv[2 * kBM + 8]};
-        int seen[2];
+    } else {
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int64_t jw = j0 + cw * 64, i = i0 + warp * 16 + g + 8 * r;
-          int64_t lim = p.S - jw < 64 ? p.S - jw : 64;
-          if (p.causal && i - jw + 1 < lim) lim = i - jw + 1;
-          seen[r] = static_cast<int>(lim > 0 ? lim : 0);
-        }
-#pragma unroll
-        for (int n = 0; n < 8; ++n)
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const float2 ref = unpack2<T>(a.p_tma ? load32(dp_blk + swizzled(n, r)) : x_raw[n][r]);
-            float pr[2];
-#pragma unroll
-            for (int e = 0; e < 2; ++e)
-              pr[e] = 8 * n + 2 * t + e < seen[r] ? exp2f(fmaf(dpv[4 * n + 2 * r + e], scale_log2, -lse2[r])) : 0.0f;
-            *reinterpret_cast<uint32_t*>(ds_blk + swizzled(n, r)) =
-                pack2<T>(fmaf(gr[r], pr[0], -gf[r] * ref.x), fmaf(gr[r], pr[1], -gf[r] * ref.y));
-          }
-        fence_proxy_async();  // the generic-proxy stores of dS before the products' async-proxy reads
-      }
-      // dK(s-1) and dQ(s-1) done: dQ to the accumulator, stage s-1 back to the producer.
-      wgmma_wait<0>();
-      fence_regs(dq);
-      if (dq_prev != nullptr) {
-#pragma unroll
-        for (int f = 0; f < kDq / 4; ++f)
-          red_add4(dq_prev + (f * 128 + tid) * 4, dq[4 * f], dq[4 * f + 1], dq[4 * f + 2], dq[4 * f + 3], l2_policy_evict_last());
-        if (lane == 0) mbar_arrive(&empty[prev_st]);
-      }
-      dq_prev = a.dq_acc + lead * a.q_tiles * kBM * D + qt * kBM * D + cw * (kBM * D / 2);
-      if (++qt == a.q_tiles) {
-        qt = t_first;
-        lead = query_lead(a, kv, ++gi);
-      }
+      for (int i = 0; i < 32; ++i) dpv[i] = 0.0f;
     }
-    fence_regs(dk);
-  } else {
-    int64_t gi = 0, qt = t_first, lead = query_lead(a, kv, 0);
-    for (int step = 0; step < steps; ++step) {
-      const int use = step;
-      float* dq_lead = a.dq_acc + lead * a.q_tiles * kBM * D;
-      const int st = use % C::kStages;
-      const int64_t i0 = qt * kBM;
-      mbar_wait(&full[st], (use / C::kStages) & 1);
-      // Row vectors of this thread's rows: delta.
-      const float* rv = sDelta + st * 3 * kBM + warp * 16 + g;
-      const float dl[2] = {rv[0], rv[8]};
-      const T* sQ = stage_q(st);
-      const T* sDO = stage_do(st);
-      T* p_blk = stage_p(st) + cw * kBM * 64;
-      const T* dp_blk = stage_dp(st) + cw * kBM * 64;
-      T* ds_buf = sDS + (use & 1) * 2 * kBM * 64;  // both warpgroups' blocks of this step
-      T* ds_blk = ds_buf + cw * kBM * 64;
-
-      // This thread's pairs of P and dP_ext (rows warp * 16 + g + 8r, keys 8n + 2t..) in the
-      // warpgroup's swizzled block, as TMA writes it.
-      auto swizzled = [&](int n, int r) { return swizzled_pair(warp * 16 + g + 8 * r, n, t); };
-      uint32_t p_raw[8][2], x_raw[8][2];
-
-      // dP_w = dO V_wᵀ, then dV_w += P_wᵀ dO; dS needs only the first.
-      float dpv[32];
-      if constexpr (HAS_DO) {
-        wgmma_fence();
+    if (!KL && a.p_tma) {
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-          const int b = kk / 4, off = (kk % 4) * 16;
-          Wgmma<T, 64>::template ss<0, 0>(dpv, desc_sw128(sDO + b * kBM * 64 + off, 16, 1024),
-                                          desc_sw128(v_rows + b * kBN * 64 + off, 16, 1024), kk > 0);
-        }
-        wgmma_commit();
-      }
-      if (!a.p_tma) {  // P and dP_ext from global memory while dP runs; P into the stage for dV
-        const int64_t p_at = lead_off(p, p.probs, lead), x_at = a.has_dp ? lead_off(p, p.grad_probs, lead) : 0;
+      for (int n = 0; n < 8; ++n)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const int64_t i = i0 + warp * 16 + g + 8 * r;
-          const T* p_row = reinterpret_cast<const T*>(p.probs.data) + p_at + i * p.probs.row;
-          const T* x_row = reinterpret_cast<const T*>(p.grad_probs.data) + x_at + i * p.grad_probs.row;
-#pragma unroll
-          for (int n = 0; n < 8; ++n) {
-            const int64_t j = j0 + cw * 64 + 8 * n + 2 * t;  // S is even: a pair is in or out whole
-            const bool in = i < p.L && j < p.S;
-            p_raw[n][r] = in ? load32(p_row + j) : 0u;
-            x_raw[n][r] = in && a.has_dp ? load32(x_row + j) : 0u;
-            *reinterpret_cast<uint32_t*>(p_blk + swizzled(n, r)) = p_raw[n][r];
-          }
+          p_raw[n][r] = load32(p_blk + swizzled(n, r));
+          x_raw[n][r] = a.has_dp ? load32(dp_blk + swizzled(n, r)) : 0u;
         }
-        fence_proxy_async();
-        named_barrier(1 + cw, 128);
-      }
-      if constexpr (HAS_DO) {
-        fence_regs(dv);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kBM / 16; ++kk)
-          Wgmma<T, D>::template ss<1, 1>(dv, desc_sw128(p_blk + kk * 16 * 64, kBM * 128, 1024),
-                                         desc_sw128(sDO + kk * 16 * 64, kBM * 128, 1024), 1);
-        wgmma_commit();
-        wgmma_wait<1>();
-        fence_regs(dpv);
-      } else {
-#pragma unroll
-        for (int i = 0; i < 32; ++i) dpv[i] = 0.0f;
-      }
-      if (a.p_tma) {
-#pragma unroll
-        for (int n = 0; n < 8; ++n)
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            p_raw[n][r] = load32(p_blk + swizzled(n, r));
-            x_raw[n][r] = a.has_dp ? load32(dp_blk + swizzled(n, r)) : 0u;
-          }
-      }
+    }
 
+    if constexpr (KL) {
+      // dS_w = g R f · P − g f · r, P = exp2(S scale log2 e − lse log2 e) where the key exists and
+      // causality shows it (rows past L: lse = +inf and g = 0, so 0).
+      const float lse2[2] = {rv[0], rv[8]}, gr[2] = {rv[kBM], rv[kBM + 8]}, gf[2] = {rv[2 * kBM], rv[2 * kBM + 8]};
+      // Keys this thread's rows see: the warpgroup's columns < seen[r] (past S and, causal, right
+      // of the row's diagonal hidden), so an element costs one 32-bit compare, not two 64-bit ones.
+      int seen[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int64_t jw = j0 + cw * 64, i = i0 + warp * 16 + g + 8 * r;
+        int64_t lim = p.S - jw < 64 ? p.S - jw : 64;
+        if (p.causal && i - jw + 1 < lim) lim = i - jw + 1;
+        seen[r] = static_cast<int>(lim > 0 ? lim : 0);
+      }
+#pragma unroll
+      for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const float2 ref = unpack2<T>(a.p_tma ? load32(dp_blk + swizzled(n, r)) : x_raw[n][r]);
+          float pr[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            pr[e] = 8 * n + 2 * t + e < seen[r] ? exp2f(fmaf(dpv[4 * n + 2 * r + e], scale_log2, -lse2[r])) : 0.0f;
+          *reinterpret_cast<uint32_t*>(ds_blk + swizzled(n, r)) =
+              pack2<T>(fmaf(gr[r], pr[0], -gf[r] * ref.x), fmaf(gr[r], pr[1], -gf[r] * ref.y));
+        }
+    } else {
       // dS_w = P ∘ (dP + dP_ext − delta) into shared memory in the same swizzled layout.
 #pragma unroll
       for (int n = 0; n < 8; ++n)
@@ -456,46 +381,46 @@ __global__ void __launch_bounds__(kThreads, 1)
           const float d0 = dpv[4 * n + 2 * r] + ext.x - dl[r], d1 = dpv[4 * n + 2 * r + 1] + ext.y - dl[r];
           *reinterpret_cast<uint32_t*>(ds_blk + swizzled(n, r)) = pack2<T>(pv.x * d0, pv.y * d1);
         }
-      fence_proxy_async();  // the generic-proxy stores before the products' async-proxy reads
-      named_barrier(1 + cw, 128);
+    }
+    fence_proxy_async();  // the generic-proxy stores before the products' async-proxy reads
+    named_barrier(1 + cw, 128);
 
-      // dK_w += dS_wᵀ Q.
-      fence_regs(dk);
-      wgmma_fence();
+    // dK_w += dS_wᵀ Q.
+    fence_regs(dk);
+    wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < kBM / 16; ++kk)
-        Wgmma<T, D>::template ss<1, 1>(dk, desc_sw128(ds_blk + kk * 16 * 64, kBM * 128, 1024),
-                                       desc_sw128(sQ + kk * 16 * 64, kBM * 128, 1024), 1);
-      wgmma_commit();
+    for (int kk = 0; kk < kBM / 16; ++kk)
+      Wgmma<T, D>::template ss<1, 1>(dk, desc_sw128(ds_blk + kk * 16 * 64, kBM * 128, 1024),
+                                     desc_sw128(sQ + kk * 16 * 64, kBM * 128, 1024), 1);
+    wgmma_commit();
 
-      // dQ(:, half cw) = dS K over all 128 keys, once the other warpgroup's dS is there too. The
-      // buffer is rewritten two steps later, after both warpgroups passed this barrier again.
-      named_barrier(3, 256);
-      float dq[kDq];
-      wgmma_fence();
+    // dQ(:, half cw) = dS K over all 128 keys, once the other warpgroup's dS is there too. The
+    // buffer is rewritten two steps later, after both warpgroups passed this barrier again.
+    named_barrier(3, 256);
+    float dq[kDq];
+    wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < kBN / 16; ++kk) {
-        const int b = kk / 4, off = (kk % 4) * 16;
-        Wgmma<T, D / 2>::template ss<0, 1>(dq, desc_sw128(ds_buf + b * kBM * 64 + off, 16, 1024),
-                                           desc_sw128(k_cols + kk * 16 * 64, kBN * 128, 1024), kk > 0);
-      }
-      wgmma_commit();
-      // dK (and before it dV) done: the stage can be refilled while dQ's product still runs.
-      wgmma_wait<1>();
-      if (lane == 0) mbar_arrive(&empty[st]);
-      wgmma_wait<0>();
-      fence_regs(dq);
-      fence_regs(dk);
-      fence_regs(dv);
+    for (int kk = 0; kk < kBN / 16; ++kk) {
+      const int b = kk / 4, off = (kk % 4) * 16;
+      Wgmma<T, D / 2>::template ss<0, 1>(dq, desc_sw128(ds_buf + b * kBM * 64 + off, 16, 1024),
+                                         desc_sw128(k_cols + kk * 16 * 64, kBN * 128, 1024), kk > 0);
+    }
+    wgmma_commit();
+    // dK (and before it dV) done: the stage can be refilled while dQ's product still runs.
+    wgmma_wait<1>();
+    if (lane == 0) mbar_arrive(&empty[st]);
+    wgmma_wait<0>();
+    fence_regs(dq);
+    fence_regs(dk);
+    if constexpr (!KL) fence_regs(dv);
 
-      float* dq_tile = dq_lead + qt * kBM * D + cw * (kBM * D / 2);
+    float* dq_tile = dq_lead + qt * kBM * D + cw * (kBM * D / 2);
 #pragma unroll
-      for (int f = 0; f < kDq / 4; ++f)
-        red_add4(dq_tile + (f * 128 + tid) * 4, dq[4 * f], dq[4 * f + 1], dq[4 * f + 2], dq[4 * f + 3], l2_policy_evict_last());
-      if (++qt == a.q_tiles) {
-        qt = t_first;
-        lead = query_lead(a, kv, ++gi);
-      }
+    for (int f = 0; f < kDq / 4; ++f)
+      red_add4(dq_tile + (f * 128 + tid) * 4, dq[4 * f], dq[4 * f + 1], dq[4 * f + 2], dq[4 * f + 3], l2_policy_evict_last());
+    if (++qt == a.q_tiles) {
+      qt = t_first;
+      lead = query_lead(a, kv, ++gi);
     }
   }
 
@@ -653,9 +578,8 @@ void launch(const CUtensorMap (&maps)[7], const DevProblem& p, const Args& a, co
     throw Error(ErrorCode::CudaFailure, "too many query tiles in one GQA group for the sm90 backward");
   const auto kernel = KL ? &backward_sm90<T, D, false, true>
                           : a.has_do ? &backward_sm90<T, D, true, false> : &backward_sm90<T, D, false, false>;
-  constexpr size_t smem = Tiles<D, KL>::kSmem;
-  set_smem_limit(reinterpret_cast<const void*>(kernel), smem);
-  kernel<<<grid, kThreads, smem, stream>>>(maps[0], maps[1], maps[2], maps[3], maps[4], maps[5], maps[6], p,
+  set_smem_limit(reinterpret_cast<const void*>(kernel), Tiles<D>::kSmem);
+  kernel<<<grid, kThreads, Tiles<D>::kSmem, stream>>>(maps[0], maps[1], maps[2], maps[3], maps[4], maps[5], maps[6], p,
                                                      a);
   check_launch("sm90 backward");
   if (out.dq) {
