@@ -109,7 +109,8 @@ for stage in $stages; do
       # made the sanitizer fail on a hardware exception, v61/v62.)
       for tool in memcheck racecheck synccheck; do
         ( timeout 200 compute-sanitizer --tool $tool --print-limit 10 python3 tests/gpu/sanitize_cases.py kl > "$OUT/sanitizer-kl-$tool.full" 2>&1
-          { grep -oE "(Read|Write) access at [^ ]+" "$OUT/sanitizer-kl-$tool.full" | sed 's/+0x[0-9a-f]*$//' | sort | uniq -c
+          { sed -nE -e 's/.*(Read|Write) access at (.*)\+0x[0-9a-f]+.*/\1 \2/p' -e 's/^=+ +at (.*)\+0x[0-9a-f]+.*/at \1/p' \
+              "$OUT/sanitizer-kl-$tool.full" | sort | uniq -c
             tail -4 "$OUT/sanitizer-kl-$tool.full"; } > "$OUT/sanitizer-kl-$tool.log"; rm -f "$OUT/sanitizer-kl-$tool.full" ) &
       done
       python3 -m pytest -q -p no:cacheprovider tests/python/test_stats.py tests/python/test_kl_fused.py \

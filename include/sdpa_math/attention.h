@@ -132,9 +132,9 @@ bool forward_stats_has_kernel(Backend backend, const ForwardArgs& args, bool col
 //
 // kl_rows: the KL per row, KL_i = Σ_j r_ij log r_ij − scale · q_i · u_i + R_i lse_i, from one pass
 // over r and the caller's u = r K (the sum Σ_j r_ij x_ij of unmasked logits x = scale q kᵀ is
-// scale q_i · (r K)_i: one product of r with K, which a GEMM library does best), with 0 log 0 = 0
-// and R_i lse_i = 0 where R_i = 0. With is_causal, a row whose r has mass on a key the top-left
-// causal mask hides has KL +inf. Also writes R_i (the backward's). Sums in the outputs' dtype.
+// scale q_i · (r K)_i: one product of r with K, which a GEMM library does best), with 0 log 0 = 0;
+// a row with R_i = 0 has KL 0 (whatever q_i and lse_i hold, NaN included). With is_causal, a row
+// whose r has mass on a key the top-left causal mask hides has KL +inf. Also writes R_i (the backward's). Sums in the outputs' dtype.
 struct KlRowsArgs {
   TensorView reference;  // r, (*lead, L, S), any floating dtype (broadcast by strides)
   TensorView query;      // q, (*lead, L, E), any floating dtype (broadcast by strides)

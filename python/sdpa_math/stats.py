@@ -14,16 +14,18 @@ at a time: peak memory is O(chunk_rows * S) per head, and nothing P-sized outliv
 kl_to alone with a gradient has its own autograd function per chunk (_KLChunk), which also keeps
 the chunk's O and lse and forms the KL's gradient to the logits directly. On CUDA, where the
 Hopper kernels take the inputs (no mask, the reference in the inputs' dtype), kl_to alone runs
-whole, never forming P (_KLFused): O and lse from PyTorch's fused attention (cuDNN or flash, as
-its own SDPA chooses; our statistics kernel where none applies), the KL as Σ r log r − Σ r x + R lse from one product u = r K and
-one pass over the reference (kl_rows), and the gradient from the Hopper backward's KL form, which
-recomputes P tile by tile from the lse.
+whole, never forming P (_KLFused): O and lse from the fused kernel PyTorch's SDPA chooses (cuDNN,
+flash or efficient attention; our statistics kernel where it chooses none or the inputs do not
+suit it), the KL as Σ r log r − Σ r x + R lse from one product u = r K and one pass over the
+reference (kl_rows), and the gradient from the Hopper backward's KL form, which recomputes P
+tile by tile from the lse.
 
 Exact definitions, dtypes and the GQA and visible-queries rules: docs/statistics.md.
 """
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -57,6 +59,14 @@ def _rows_of(t: torch.Tensor | None, i0: int, i1: int) -> torch.Tensor | None:
 _BMM_HAS_OUT_DTYPE = hasattr(torch.ops.aten.bmm, "dtype")
 
 
+def _scale_value(E: int, scale):
+    """The logits' scale as a number: the given one, else 1/√E (1 for E = 0, where every logit
+    is 0)."""
+    if scale is not None:
+        return scale
+    return 1.0 / math.sqrt(E) if E > 0 else 1.0
+
+
 def _tracked(*tensors) -> bool:
     """Whether autograd records an op on these (grad mode on and one of them requires grad)."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
@@ -83,7 +93,7 @@ def _logits_fp32(q_c, k, m_c, scale, enable_gqa):
         x = _bmm_fp32(q_c, kk.transpose(-2, -1))
     else:
         x = q_c.float() @ kk.float().transpose(-2, -1)
-    s = 1.0 / math.sqrt(E) if scale is None and E > 0 else scale  # E = 0: every logit is 0, as the operator gives
+    s = _scale_value(E, scale)
     if graph:
         if E > 0:
             x = x * s
@@ -362,34 +372,42 @@ _FLASH, _EFFICIENT, _CUDNN = 1, 2, 3
 
 
 def _pytorch_fused_choice(q, k, v, is_causal, scale, enable_gqa):
-    """Which of PyTorch's fused kernels scaled_dot_product_attention would run for the unmasked
-    problem (torch._fused_sdp_choice: the user's enabled backends and each kernel's own rules),
-    or 0 where none should: inputs not 4-dim of one batch (they broadcast nothing), and causal
-    with L ≠ S (the contract's diagonal is top-left; kept off whatever a kernel's alignment)."""
-    if not (q.dim() == k.dim() == v.dim() == 4 and q.shape[0] == k.shape[0] == v.shape[0]):
+    """Which of PyTorch's fused CUDA kernels scaled_dot_product_attention would run for the
+    unmasked problem under the current grad mode (torch._fused_sdp_choice: the user's enabled
+    backends and each kernel's own rules), or 0 where none should: not CUDA, inputs not 4-dim of
+    one batch (they broadcast nothing), and causal with L ≠ S (the contract's diagonal is
+    top-left; kept off whatever a kernel's alignment)."""
+    if not (q.is_cuda and q.dim() == k.dim() == v.dim() == 4 and q.shape[0] == k.shape[0] == v.shape[0]):
         return 0
     if is_causal and q.shape[-2] != k.shape[-2]:
         return 0
-    try:
-        return int(torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa))
-    except RuntimeError:  # none of the enabled backends takes it (and the math op is disabled)
-        return 0
+    with warnings.catch_warnings():  # its "kernel not used because ..." notes, when it declines
+        warnings.simplefilter("ignore")
+        try:
+            return int(torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa))
+        except RuntimeError:  # none of the enabled backends takes it (and the math op is disabled)
+            return 0
 
 
 def _o_and_lse(q, k, v, is_causal, scale, enable_gqa):
     """O and the lse (fp32, natural log, (B, H, L)) of the unmasked problem, without P: from the
-    fused kernel PyTorch's own scaled_dot_product_attention would choose, where it returns an lse
-    (on the H200 cuDNN's or flash's forward: 0.063 and 0.111 ms on prefill1k_d128 against our
-    statistics kernel's one pass, 0.160, runs v58 and v59), else from the statistics kernel with
-    nothing asked. The O is then the one F.scaled_dot_product_attention gives."""
+    fused kernel PyTorch's own scaled_dot_product_attention would choose for a forward without
+    gradient, where it returns an lse (on the H200 cuDNN's: 0.061 ms on prefill1k_d128 against
+    0.111 for flash's and 0.160 for our statistics kernel's one pass, runs v58-v60), else, or
+    where that kernel raises, from the statistics kernel with nothing asked."""
     choice = _pytorch_fused_choice(q, k, v, is_causal, scale, enable_gqa)
     out = None
-    if choice == _FLASH:
-        out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
-    elif choice == _CUDNN:
-        out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, is_causal, False, scale=scale)
-    elif choice == _EFFICIENT:
-        out = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, is_causal, scale=scale)
+    try:
+        if choice == _FLASH:
+            out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
+        elif choice == _CUDNN:
+            out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, is_causal, False,
+                                                                     scale=scale)
+        elif choice == _EFFICIENT:
+            out = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, is_causal,
+                                                                         scale=scale)
+    except RuntimeError:  # e.g. a library's own refusal of a layout its selector let through
+        out = None
     if out is not None:
         o, lse = out[0], out[1]
         lse = lse[..., 0] if lse.dim() == 4 else lse  # cuDNN: (B, H, L, 1)
@@ -413,8 +431,8 @@ class _KLFused(torch.autograd.Function):
     def forward(ctx, q, k, v, ref, is_causal, scale, enable_gqa):
         o, lse = _o_and_lse(q, k, v, is_causal, scale, enable_gqa)
         lead, L, E = ref.shape[:-2], ref.shape[-2], q.shape[-1]
-        s = (1.0 / math.sqrt(E) if E > 0 else 1.0) if scale is None else scale
-        kl, R = ops.kl_rows(ref, is_causal, q.expand(lead + (L, E)), _ref_keys(ref, k, enable_gqa), lse, s)
+        kl, R = ops.kl_rows(ref, is_causal, q.expand(lead + (L, E)), _ref_keys(ref, k, enable_gqa), lse,
+                            _scale_value(E, scale))
         ctx.save_for_backward(q, k, v, ref, o, lse, R)
         ctx.meta = (is_causal, scale, enable_gqa)
         ctx.set_materialize_grads(False)
@@ -451,7 +469,7 @@ def _logit_product_grads(ds, q, k, scale, enable_gqa):
     in fp16's subnormal range (a relative error 4x the fp32 path's, in a CPU emulation)."""
     fast_half = q.dtype == torch.bfloat16 or (q.dtype == torch.float16 and _on_cuda(q))
     dtype = q.dtype if fast_half else ds.dtype
-    s = 1.0 if q.shape[-1] == 0 else (1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    s = _scale_value(q.shape[-1], scale)
     lead, lc, n_keys = ds.shape[:-2], ds.shape[-2], ds.shape[-1]
     grouped = enable_gqa and k.dim() >= 3 and q.dim() >= 3 and q.shape[-3] != k.shape[-3]
     qf = q

@@ -1,7 +1,7 @@
 // kl_to's forward rows on any GPU (attention.h, kl_rows): per row of the reference r one warp
 // streams the row once for R = Σ_j r, H = Σ_j r log r (0 log 0 = 0) and, under causality, the mass
 // on hidden keys, then adds q_i · u_i (u = r K, the caller's product) and the lse:
-// KL = H − scale q·u + R lse, +inf where the hidden mass is positive. 16-byte loads where the rows
+// KL = H − scale q·u + R lse (0 for a row with R = 0), +inf where the hidden mass is positive. 16-byte loads where the rows
 // allow (16-bit r, unit column stride, 16-byte aligned rows), so a long row streams at copy
 // bandwidth. Sums in the outputs' dtype (fp32, or fp64).
 #include <cuda_runtime.h>
@@ -139,7 +139,9 @@ __global__ void __launch_bounds__(256, 4) kl_rows_kernel(const T* __restrict__ r
     qu += __shfl_xor_sync(0xffffffffu, qu, s);
   }
   if (lane == 0) {
-    Acc value = h * Acc(0.69314718055994530942) - scale * qu + (sum != Acc(0) ? sum * l : Acc(0));
+    // A row with no reference mass has KL 0 whatever q and the lse hold (a NaN there would
+    // otherwise come through q·u = NaN · 0); one with hidden mass +inf.
+    Acc value = sum != Acc(0) ? h * Acc(0.69314718055994530942) - scale * qu + sum * l : Acc(0);
     if (hid > Acc(0)) value = static_cast<Acc>(INFINITY);
     kl[off[kKl]] = value;
     row_sum[off[kRowSum]] = sum;

@@ -273,7 +273,7 @@ void kl_rows(const KlRowsArgs& a, const TensorView& kl, const TensorView& row_su
       qu += core::load_as_double(a.query.dtype, a.query.data, q0 + e * a.query.strides[nd - 1]) *
             core::load_as_double(a.ref_keys.dtype, a.ref_keys.data, u0 + e * a.ref_keys.strides[nd - 1]);
     const double lse = core::load_as_double(a.logsumexp.dtype, a.logsumexp.data, row_offset(a.logsumexp, n));
-    double value = xlogx - a.scale * qu + (sum != 0.0 ? sum * lse : 0.0);
+    double value = sum != 0.0 ? xlogx - a.scale * qu + sum * lse : 0.0;  // no mass: 0, even for a NaN q or lse
     if (hidden > 0.0) value = INFINITY;
     core::store_from_double(kl.dtype, kl.data, row_offset(kl, n), value);
     core::store_from_double(row_sum.dtype, row_sum.data, row_offset(row_sum, n), sum);

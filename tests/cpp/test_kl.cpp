@@ -139,6 +139,13 @@ TEST(KlRows, MatchTheirDefinitionOnTransposedViews) {
     for (double& x : w) x = normal(rng);
     write(t->view, w);
   }
+  {  // row 4 has no mass: its KL is 0 even with a NaN in q and an infinite lse
+    std::vector<double> w = read(q.view), l = read(lse.view);
+    w[4 * 4 + 1] = NAN;
+    l[4] = INFINITY;
+    write(q.view, w);
+    write(lse.view, l);
+  }
   const std::vector<double> qv = read(q.view), uv = read(u.view), lv = read(lse.view);
   Tensor kl = empty_tensor(DType::Float64, rows), R = empty_tensor(DType::Float64, rows);
   KlRowsArgs args{r.view, q.view, u.view, lse.view, 0.7, true};
@@ -154,7 +161,7 @@ TEST(KlRows, MatchTheirDefinitionOnTransposedViews) {
       if (j > row % 3) hidden += x;  // row i of its head sees keys j <= i
     }
     for (int64_t e = 0; e < 4; ++e) qu += qv[row * 4 + e] * uv[row * 4 + e];
-    const double want = hidden > 0 ? INFINITY : xlogx - 0.7 * qu + (sum != 0 ? sum * lv[row] : 0.0);
+    const double want = hidden > 0 ? INFINITY : sum != 0 ? xlogx - 0.7 * qu + sum * lv[row] : 0.0;
     EXPECT_NEAR(Rv[row], sum, 1e-12) << row;
     if (hidden > 0) {
       EXPECT_EQ(klv[row], INFINITY) << row;
@@ -165,6 +172,7 @@ TEST(KlRows, MatchTheirDefinitionOnTransposedViews) {
     }
   }
   EXPECT_GE(finite, 3);  // rows 0 and 3 and the all-zero row 4
+  EXPECT_EQ(klv[4], 0.0);
   EXPECT_GE(infinite, 1);
 }
 
@@ -200,6 +208,14 @@ TEST(KlValidation, NamesTheBadArgumentBeforeWritingAnything) {
   expect_error([&] { kl_rows(Backend::Cpu, rows, lse.view, lse.view); }, ErrorCode::BadGradient, "ref_keys has shape");
   rows.ref_keys = b.q.view;
   expect_error([&] { kl_rows(Backend::Cpu, rows, r.view, lse.view); }, ErrorCode::BadOutput, "kl has shape");
+  rows.query = flat.view;
+  expect_error([&] { kl_rows(Backend::Cpu, rows, lse.view, lse.view); }, ErrorCode::BadGradient,
+               "query must have the reference's 3 dims");
+  rows.query = b.q.view;
+  Tensor kl_out = empty_tensor(DType::Float64, s.logsumexp);
+  const std::vector<unsigned char> kl_before = kl_out.storage;
+  expect_error([&] { kl_rows(Backend::Cpu, rows, kl_out.view, r.view); }, ErrorCode::BadOutput, "row_sum has shape");
+  EXPECT_EQ(kl_out.storage, kl_before);  // kl untouched: the error came before anything was written
 }
 
 }  // namespace

@@ -1,8 +1,8 @@
 """A few forward+backward calls of every CUDA kernel family, small enough to run under
 compute-sanitizer (memcheck, racecheck, synccheck, initcheck): tails in L and S, padded head sizes, masks, causal,
 GQA, dropout, strided inputs, fp16/bf16 (tensor cores), a few query rows (the decode path),
-fp32/fp64 (generic path), the Hopper statistics kernel, and kl_to's kernels (the reference's row
-sums, the Hopper backward's KL form).
+fp32/fp64 (generic path), the Hopper statistics kernel, and kl_to's kernels (kl_rows, the Hopper
+backward's KL form; its forward's O and lse come from PyTorch's SDPA kernel where one applies).
 
     compute-sanitizer --tool memcheck python3 tests/gpu/sanitize_cases.py [kl]
 
@@ -60,7 +60,7 @@ def stats(dtype, B, Hq, Hkv, L, S, E, Ev, causal=False, mask=False, rows=None, c
 
 
 def kl(dtype, B, Hq, Hkv, L, S, E, causal=False):
-    """kl_to alone with a gradient: on Hopper the fused path (row sums, r K, the KL backward form)."""
+    """kl_to alone with a gradient: on Hopper the fused path (r K, kl_rows, the KL backward form)."""
     gen = torch.Generator(device="cuda").manual_seed(L * 1000 + S + 2)
     q, k, v = (torch.randn(B, h, n, E, device="cuda", dtype=dtype, generator=gen).requires_grad_(True)
                for h, n in ((Hq, L), (Hkv, S), (Hkv, S)))

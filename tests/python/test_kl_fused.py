@@ -23,14 +23,15 @@ F64 = torch.float64
 
 def kl_rows_want(r, causal, q, u, lse, scale):
     """The KL per row and R, in float64, straight from the definitions: Σ r log r (0 log 0 = 0)
-    − scale q·u + R lse (0 where R = 0), +inf where causality hides a key r has mass on."""
+    − scale q·u + R lse, 0 for a row with R = 0, +inf where causality hides a key r has mass on."""
     r = r.double()
     L, S = r.shape[-2:]
     xlogx = torch.where(r != 0, r * torch.log(torch.where(r != 0, r, torch.ones_like(r))), torch.zeros_like(r))
     hidden = torch.ones(L, S, dtype=torch.bool, device=r.device).triu(1) if causal else torch.zeros(L, S, dtype=torch.bool,
                                                                                                        device=r.device)
     R = r.sum(-1)
-    kl = xlogx.sum(-1) - scale * (q.double() * u.double()).sum(-1) + torch.where(R != 0, R * lse.double(), 0.0)
+    kl = xlogx.sum(-1) - scale * (q.double() * u.double()).sum(-1) + R * lse.double()
+    kl = torch.where(R != 0, kl, 0.0)  # no mass: 0, whatever q, u and the lse hold
     kl = torch.where(torch.where(hidden, r, 0.0).sum(-1) > 0, float("inf"), kl)
     return kl, R
 
@@ -53,12 +54,16 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, F64], ids=dtype_id)
 @pytest.mark.parametrize("layout", ["contiguous", "transposed", "broadcast", "odd_keys"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_kl_rows_match_their_definitions(device, dtype, layout, causal):
+@pytest.mark.parametrize("u_layout", ["contiguous", "strided"])
+def test_kl_rows_match_their_definitions(device, dtype, layout, causal, u_layout):
     """kl_rows for 4 dtypes and 4 layouts of r (16-byte row loads, strided rows, a map broadcast
-    over heads, a key count past the 8-element loads), a query broadcast over batches and a
-    strided u; causal rows with mass right of the diagonal are +inf, the others finite."""
+    over heads, a key count past the 8-element loads), a query broadcast over batches, u
+    contiguous (the CUDA kernel's direct loads: q in r's dtype, 40 elements, so some lanes take
+    two) or strided (its per-element path); rows with R = 0 are 0 though their q is NaN and
+    their lse ±inf or NaN; causal rows with mass right of the diagonal are +inf, the others
+    finite."""
     gen = torch.Generator().manual_seed(3)
-    S, E = (37 if layout == "odd_keys" else 64), 24
+    S, E = (37 if layout == "odd_keys" else 64), 40
     r = ref_map((2, 3, 24, S), dtype, device, gen, causal=False)
     r[0, 0, :4] = 0.0  # rows with R = 0 (no lse term) ...
     r[0, 0, 2:4, 5] = 0.5  # ... and, under causality, rows 2 and 3 with mass on a hidden key
@@ -67,15 +72,39 @@ def test_kl_rows_match_their_definitions(device, dtype, layout, causal):
     elif layout == "broadcast":  # one map for every head
         r = r[:, :1].expand(2, 3, 24, S)
     stat = F64 if dtype == F64 else torch.float32
-    q = torch.randn(1, 3, 24, E, generator=gen, dtype=F64).to(device, dtype).expand(2, 3, 24, E)
-    u = torch.randn(2, 3, E, 24, generator=gen, dtype=F64).to(device, stat).transpose(-2, -1)
-    lse = torch.randn(2, 3, 24, generator=gen, dtype=F64).to(device, stat) + 3.0
+    q = torch.randn(1, 3, 24, E, generator=gen, dtype=F64).to(dtype)
+    q[0, 0, :2, 3] = float("nan")  # on rows with R = 0 (in batch 0; q broadcasts over batches)
+    q = q.to(device).expand(2, 3, 24, E)
+    u = torch.randn(2, 3, 24, E, generator=gen, dtype=F64)
+    u = (u if u_layout == "contiguous" else u.transpose(-2, -1).contiguous().transpose(-2, -1)).to(device, stat)
+    lse = torch.randn(2, 3, 24, generator=gen, dtype=F64) + 3.0
+    lse[0, 0, :3] = torch.tensor([float("inf"), float("-inf"), float("nan")], dtype=F64)
+    lse = lse.to(device, stat)
     kl, R = ops.kl_rows(r, causal, q, u, lse, 0.7)
     want_kl, want_R = kl_rows_want(r, causal, q, u, lse, 0.7)
     for name, got, w in (("kl", kl, want_kl), ("R", R, want_R)):
         assert got.dtype == stat and got.shape == r.shape[:-1], name
-        torch.testing.assert_close(got.double(), w, rtol=2e-6 if stat == torch.float32 else 1e-12, atol=2e-5, msg=name)
-    assert torch.isinf(kl).any() == causal and torch.isfinite(kl[1]).all() != causal
+        torch.testing.assert_close(got.double(), w, rtol=2e-6 if stat == torch.float32 else 1e-12, atol=2e-5,
+                                   equal_nan=True, msg=name)
+    assert (kl[0, 0, :2] == 0).all()  # no mass: 0 despite the NaN q and the ±inf lse
+    if not causal:
+        assert torch.isnan(kl[1, 0, :2]).all()  # the same NaN q where r has mass
+    assert torch.isinf(kl).any() == causal and torch.isfinite(kl[1, 1:]).all() != causal
+
+
+def test_kl_rows_with_a_head_past_256():
+    """E past the CUDA kernel's direct loads (8 elements a lane): its per-element path; on the CPU
+    the reference."""
+    gen = torch.Generator().manual_seed(59)
+    for device in DEVICES:
+        r = ref_map((2, 5, 16), torch.float16, device, gen)
+        q = torch.randn(2, 5, 264, generator=gen).to(device, torch.float16)
+        u = torch.randn(2, 5, 264, generator=gen).to(device)
+        lse = torch.randn(2, 5, generator=gen).to(device)
+        kl, R = ops.kl_rows(r, False, q, u, lse, 0.1)
+        want_kl, want_R = kl_rows_want(r, False, q, u, lse, 0.1)
+        torch.testing.assert_close(kl.double(), want_kl, rtol=2e-6, atol=2e-5)
+        torch.testing.assert_close(R.double(), want_R, rtol=2e-6, atol=1e-6)
 
 
 def kl_backward_want(q, k, r, R, g, scale, causal, gqa):
@@ -278,12 +307,13 @@ def test_kl_to_fused_gradient_with_rows_weighted_apart(dtype):
 
 @sm90_only
 @pytest.mark.parametrize("backend", ["FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"])
-@pytest.mark.parametrize("case", ["causal_gqa", "mha"])
+@pytest.mark.parametrize("case", ["causal_gqa", "mha", "tails"])
 def test_kl_to_takes_o_and_lse_from_pytorchs_fused_kernels_or_ours_alike(case, backend):
     """_o_and_lse: O and lse from the fused kernel PyTorch's SDPA would choose among the enabled
     backends (here one at a time), or, where it chooses none (MATH only, or the backend declines
     the case), from our statistics kernel: the same O to fp16 rounding, the same KL within 1e-5
-    and the same gradients either way. Causal with L ≠ S never goes to PyTorch's kernels."""
+    and the same gradients either way (tails: L = 100, which the efficient kernel's lse pads to
+    128). Causal with L ≠ S never goes to PyTorch's kernels."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     gen = torch.Generator().manual_seed(53)
     B, H, Hkv, L, S, E, causal = FUSED_CASES[case]
@@ -297,7 +327,8 @@ def test_kl_to_takes_o_and_lse_from_pytorchs_fused_kernels_or_ours_alike(case, b
         return o, st["kl_to"], grads, kernels
 
     with sdpa_kernel([getattr(SDPBackend, backend)]):
-        choice = stats_module._pytorch_fused_choice(q, k, v, causal, None, Hkv != H)
+        with torch.no_grad():  # as _KLFused.forward asks (PyTorch's rules may depend on grad mode)
+            choice = stats_module._pytorch_fused_choice(q, k, v, causal, None, Hkv != H)
         assert stats_module._pytorch_fused_choice(q[:, :, :L // 2], k, v, True, None, Hkv != H) == 0
         o_t, kl_t, g_t, kernels_t = run()
     with sdpa_kernel([SDPBackend.MATH]):  # no fused kernel: our statistics kernel gives O and lse
