@@ -331,8 +331,9 @@ def _ref_keys(r, k, enable_gqa):
 
 def _ref_product_view(r, k, enable_gqa):
     """r (P's shape) as the batched matrices of _ref_keys' product r K (a GQA group's rows
-    stacked), or None where that would copy r: lead dims that do not merge (a reference broadcast
-    over heads or batches, a (B, L, H, S) layout) or rows cuBLAS cannot take as they are."""
+    stacked), or None where that would copy r: lead dims that do not merge into one batch dim (a
+    reference broadcast over heads, or in a (B, L, H, S) layout, with more than one batch) or rows
+    cuBLAS cannot take as they are."""
     lead, (L, S) = r.shape[:-2], r.shape[-2:]
     if r.stride(-1) != 1 or r.stride(-2) < S:
         return None
