@@ -265,39 +265,33 @@ __global__ void __launch_bounds__(kThreads, 1)
     auto swizzled = [&](int n, int r) { return swizzled_pair(warp * 16 + g + 8 * r, n, t); };
     uint32_t p_raw[8][2], x_raw[8][2];
 
-    // dP_w = dO V_wᵀ, then dV_w += P_wᵀ dO; dS needs only the first.
+    // dP_w = dO V_wᵀ, then dV_w += P_wᵀ dO; dS needs only the first. The KL form's first product
+    // is S_w = Q K_wᵀ instead: the same shape, both operands in shared memory.
     float dpv[32];
-    if constexpr (KL) {  // S_w = Q K_wᵀ (both in shared memory, as dO V_wᵀ)
+    if constexpr (KL || HAS_DO) {
+      const T* a_rows = KL ? sQ : sDO;
+      const T* b_rows = KL ? k_rows : v_rows;
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
         const int b = kk / 4, off = (kk % 4) * 16;
-        Wgmma<T, 64>::template ss<0, 0>(dpv, desc_sw128(sQ + b * kBM * 64 + off, 16, 1024),
-                                        desc_sw128(k_rows + b * kBN * 64 + off, 16, 1024), kk > 0);
+        Wgmma<T, 64>::template ss<0, 0>(dpv, desc_sw128(a_rows + b * kBM * 64 + off, 16, 1024),
+                                        desc_sw128(b_rows + b * kBN * 64 + off, 16, 1024), kk > 0);
       }
       wgmma_commit();
-      if (!a.p_tma) {  // the reference's pairs from global memory (rows not 16-byte aligned) while S runs
-        const int64_t x_at = lead_off(p, p.grad_probs, lead);
+    }
+    if (KL && !a.p_tma) {  // the reference's pairs from global memory (rows not 16-byte aligned) while S runs
+      const int64_t x_at = lead_off(p, p.grad_probs, lead);
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int64_t i = i0 + warp * 16 + g + 8 * r;
-          const T* x_row = reinterpret_cast<const T*>(p.grad_probs.data) + x_at + i * p.grad_probs.row;
+      for (int r = 0; r < 2; ++r) {
+        const int64_t i = i0 + warp * 16 + g + 8 * r;
+        const T* x_row = reinterpret_cast<const T*>(p.grad_probs.data) + x_at + i * p.grad_probs.row;
 #pragma unroll
-          for (int n = 0; n < 8; ++n) {
-            const int64_t j = j0 + cw * 64 + 8 * n + 2 * t;  // S is even: a pair is in or out whole
-            x_raw[n][r] = i < p.L && j < p.S ? load32(x_row + j) : 0u;
-          }
+        for (int n = 0; n < 8; ++n) {
+          const int64_t j = j0 + cw * 64 + 8 * n + 2 * t;  // S is even: a pair is in or out whole
+          x_raw[n][r] = i < p.L && j < p.S ? load32(x_row + j) : 0u;
         }
       }
-    } else if constexpr (HAS_DO) {
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        const int b = kk / 4, off = (kk % 4) * 16;
-        Wgmma<T, 64>::template ss<0, 0>(dpv, desc_sw128(sDO + b * kBM * 64 + off, 16, 1024),
-                                        desc_sw128(v_rows + b * kBN * 64 + off, 16, 1024), kk > 0);
-      }
-      wgmma_commit();
     }
     if (!KL && !a.p_tma) {  // P and dP_ext from global memory while dP runs; P into the stage for dV
       const int64_t p_at = lead_off(p, p.probs, lead), x_at = a.has_dp ? lead_off(p, p.grad_probs, lead) : 0;
