@@ -64,6 +64,12 @@ SDPA_MATH_D uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
   const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&h);
 }
+// The two 16-bit values of a fragment register (lo first) in fp32: pack2's inverse.
+template <typename T>
+SDPA_MATH_D float2 unpack2(uint32_t raw) {
+  const T* h = reinterpret_cast<const T*>(&raw);
+  return make_float2(to_float<T>(h[0]), to_float<T>(h[1]));
+}
 // The sum over the quad of lanes that holds one row of an m16n8 (or wgmma) accumulator.
 SDPA_MATH_D float quad_sum(float x) {
   x += __shfl_xor_sync(0xffffffffu, x, 1);

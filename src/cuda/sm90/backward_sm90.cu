@@ -106,12 +106,6 @@ SDPA_MATH_D void red_add4(float* dst, float a, float b, float c, float d, uint64
                : "memory");
 }
 
-template <typename T>
-SDPA_MATH_D float2 unpack2(uint32_t raw) {
-  const T* h = reinterpret_cast<const T*>(&raw);
-  return make_float2(to_float<T>(h[0]), to_float<T>(h[1]));
-}
-
 // HAS_DO: dO given (a compile-time choice: a run-time branch around the dP and dV products makes
 // ptxas serialise every wgmma of the kernel). KL: the KL form (no P, no dO, no dV; see the top).
 template <typename T, int D, bool HAS_DO, bool KL>
