@@ -146,6 +146,24 @@ struct KlRowsArgs {
 // kl and row_sum: (*lead, L), float32 or float64, one dtype.
 void kl_rows(Backend backend, const KlRowsArgs& args, const TensorView& kl, const TensorView& row_sum,
              const CudaExecution& cuda = {});
+// kl_forward: kl_rows' two outputs from q and k instead of the caller's u = r K, with the logits'
+// sum Σ_j r_ij x_ij over the keys row i sees (x = scale q kᵀ with causality and the mask; a
+// hidden key is one whose logit is -inf): KL_i = Σ_j r_ij log r_ij − Σ_j r_ij x_ij + R_i lse_i,
+// 0 for a row with R_i = 0, +inf where r has mass on a hidden key. The reference and CPU
+// backends compute it in float64 (slow: for tests and small problems); CUDA has a Hopper kernel
+// (fp16/bf16 without a mask, r in the inputs' dtype and every operand addressable by the TMA
+// unit: 16-byte aligned rows) and raises BackendUnavailable for anything else.
+struct KlForwardArgs {
+  ForwardArgs forward;   // as the forward's (value is not read); no dropout
+  TensorView logsumexp;  // the student's lse, (*lead, L)
+  TensorView reference;  // r, P's shape (*lead, L, S), any floating dtype (broadcast by strides)
+};
+// kl and row_sum: (*lead, L), float32 or float64, one dtype.
+void kl_forward(Backend backend, const KlForwardArgs& args, const TensorView& kl, const TensorView& row_sum,
+                const CudaExecution& cuda = {});
+// Whether kl_forward runs these inputs on `backend` with kl and row_sum as a caller allocates
+// them (float32; float64 for float64 inputs). Validates as kl_forward does.
+bool kl_forward_has_kernel(Backend backend, const KlForwardArgs& args);
 struct KlBackwardArgs {
   ForwardArgs forward;     // as the forward's (value is not read); no dropout
   TensorView logsumexp;    // the forward's, (*lead, L)

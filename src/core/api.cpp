@@ -141,6 +141,29 @@ void kl_rows(Backend backend, const KlRowsArgs& args, const TensorView& kl, cons
   reference::kl_rows(args, kl, row_sum);
 }
 
+void kl_forward(Backend backend, const KlForwardArgs& args, const TensorView& kl, const TensorView& row_sum,
+                const CudaExecution& cuda) {
+  const core::Problem p = core::make_problem(args.forward);
+  core::check_kl_forward(p, args, &kl, &row_sum);
+  check_backend(backend, p);
+#ifdef SDPA_MATH_WITH_CUDA
+  if (backend == Backend::Cuda) return cuda::kl_forward(p, args, kl, row_sum, cuda);
+#else
+  (void)cuda;
+#endif
+  reference::kl_forward(p, args, kl, row_sum);  // the CPU backend too: exact and slow, as kl_backward's
+}
+
+bool kl_forward_has_kernel(Backend backend, const KlForwardArgs& args) {
+  const core::Problem p = core::make_problem(args.forward);
+  core::check_kl_forward(p, args, nullptr, nullptr);
+  check_backend(backend, p);
+#ifdef SDPA_MATH_WITH_CUDA
+  if (backend == Backend::Cuda) return cuda::kl_forward_applies(p, args);
+#endif
+  return true;
+}
+
 void kl_backward(Backend backend, const KlBackwardArgs& args, const BackwardOutputs& out, const CudaExecution& cuda) {
   const core::Problem p = core::make_problem(args.forward);
   core::check_kl_backward(p, args, out);

@@ -78,6 +78,7 @@ void check_forward_outputs(const Problem& p, const ForwardOutputs& out);
 void check_stats_outputs(const Problem& p, const StatsOutputs& out);  // and refuses dropout
 void check_backward(const Problem& p, const BackwardArgs& args, const BackwardOutputs& out);
 void check_kl_backward(const Problem& p, const KlBackwardArgs& args, const BackwardOutputs& out);  // and refuses dropout
+void check_kl_forward(const Problem& p, const KlForwardArgs& args, const TensorView* kl, const TensorView* row_sum);  // outputs: nullptr to skip; refuses dropout
 void check_kl_rows(const KlRowsArgs& args, const TensorView& kl, const TensorView& row_sum);
 
 }  // namespace sdpa_math::core

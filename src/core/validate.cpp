@@ -344,6 +344,19 @@ void check_kl_backward(const Problem& p, const KlBackwardArgs& a, const Backward
   if (out.grad_key) check_view(*out.grad_key, "grad_key", a.forward.key.shape, false, dev, ErrorCode::BadOutput);
 }
 
+void check_kl_forward(const Problem& p, const KlForwardArgs& a, const TensorView* kl, const TensorView* row_sum) {
+  if (p.dropout != DropoutMode::None)
+    fail(ErrorCode::DropoutProbability, "kl_forward compares the reference with the dropout-free map P; dropout_p must be 0, got ",
+         p.dropout_p);
+  const Device dev = p.device;
+  check_view(a.logsumexp, "logsumexp", p.shapes.logsumexp, true, dev, ErrorCode::BadGradient);
+  check_view(a.reference, "reference", p.shapes.attn_probs, false, dev, ErrorCode::BadGradient);
+  if (kl) check_view(*kl, "kl", p.shapes.logsumexp, true, dev, ErrorCode::BadOutput);
+  if (row_sum) check_view(*row_sum, "row_sum", p.shapes.logsumexp, true, dev, ErrorCode::BadOutput);
+  if (kl && row_sum && kl->dtype != row_sum->dtype)
+    fail(ErrorCode::BadOutput, "kl and row_sum must have one dtype, got ", dtype_name(kl->dtype), " and ", dtype_name(row_sum->dtype));
+}
+
 void check_kl_rows(const KlRowsArgs& a, const TensorView& kl, const TensorView& row_sum) {
   const TensorView& r = a.reference;
   if (r.ndim() < 2) fail(ErrorCode::RankTooLow, "reference must have at least 2 dims (rows, keys), got ", r.shape.str());

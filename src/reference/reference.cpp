@@ -40,16 +40,10 @@ HeadOffsets head_offsets(const Problem& p, int64_t lead) {
   return h;
 }
 
-void compute_row(const Problem& p, int64_t lead, const HeadOffsets& h, int64_t i, Row& r) {
-  const int64_t S = p.S;
-  r.A.assign(S, 0.0);
-  r.keep.assign(S, 1.0);
-  r.P.assign(S, 0.0);
-  r.W.assign(S, 0.0);
-  std::vector<double> s(S);
-  double m = kNegInf;
-  bool has_nan = false;
-  for (int64_t j = 0; j < S; ++j) {
+// Row i's logits: scale q_i · k_j, then causality and the mask (hidden keys -inf).
+void row_logits(const Problem& p, const HeadOffsets& h, int64_t i, std::vector<double>& s) {
+  s.assign(p.S, 0.0);
+  for (int64_t j = 0; j < p.S; ++j) {
     double dot = 0.0;
     for (int64_t e = 0; e < p.E; ++e) dot += at(p.query, h.q, i, e) * at(p.key, h.k, j, e);
     double score = p.scale * dot;
@@ -62,8 +56,22 @@ void compute_row(const Problem& p, int64_t lead, const HeadOffsets& h, int64_t i
         score += mv;  // (§4)
     }
     s[j] = score;
-    if (score > m) m = score;
-    if (std::isnan(score)) has_nan = true;
+  }
+}
+
+void compute_row(const Problem& p, int64_t lead, const HeadOffsets& h, int64_t i, Row& r) {
+  const int64_t S = p.S;
+  r.A.assign(S, 0.0);
+  r.keep.assign(S, 1.0);
+  r.P.assign(S, 0.0);
+  r.W.assign(S, 0.0);
+  std::vector<double> s;
+  row_logits(p, h, i, s);
+  double m = kNegInf;
+  bool has_nan = false;
+  for (int64_t j = 0; j < S; ++j) {
+    if (s[j] > m) m = s[j];
+    if (std::isnan(s[j])) has_nan = true;
   }
   if (has_nan) {  // a NaN logit makes the whole row NaN, lse too, as the math op's softmax does
     r.A.assign(S, std::numeric_limits<double>::quiet_NaN());
@@ -242,6 +250,35 @@ void kl_backward(const Problem& p, const KlBackwardArgs& args, const BackwardOut
   }
   if (out.grad_query) core::write_dense(gq.data(), *out.grad_query);
   if (out.grad_key) core::write_dense(gk.data(), *out.grad_key);
+}
+
+// kl_to's forward rows from their definition (attention.h, KlForwardArgs) with the logits x in
+// float64: KL_i = Σ_j r log r − Σ_j r_ij x_ij + R_i lse_i over the keys the row sees, 0 for R_i = 0,
+// +inf where r has mass on a hidden key (x = -inf).
+void kl_forward(const Problem& p, const KlForwardArgs& args, const TensorView& kl, const TensorView& row_sum) {
+  const Operand ref = core::output_operand(p, args.reference, true), lse = core::output_operand(p, args.logsumexp, false);
+  const Operand K = core::output_operand(p, kl, false), R = core::output_operand(p, row_sum, false);
+  std::vector<double> x;
+  for (int64_t lead = 0; lead < p.num_lead; ++lead) {
+    const HeadOffsets h = head_offsets(p, lead);
+    const int64_t r0 = core::lead_offset(p, ref, lead), l0 = core::lead_offset(p, lse, lead),
+                  k0 = core::lead_offset(p, K, lead), R0 = core::lead_offset(p, R, lead);
+    for (int64_t i = 0; i < p.L; ++i) {
+      row_logits(p, h, i, x);
+      double sum = 0.0, xlogx = 0.0, rx = 0.0, hidden = 0.0;
+      for (int64_t j = 0; j < p.S; ++j) {
+        const double v = at(ref, r0, i, j);
+        sum += v;
+        if (v != 0.0) xlogx += v * std::log(v);  // 0 log 0 = 0; a negative entry gives NaN
+        if (x[j] == kNegInf) hidden += v;
+        else rx += v * x[j];
+      }
+      double value = sum != 0.0 ? xlogx - rx + sum * at(lse, l0, i, 0) : 0.0;
+      if (hidden > 0.0) value = INFINITY;
+      core::store_from_double(K.dtype, kl.data, k0 + i * K.row_stride, value);
+      core::store_from_double(R.dtype, row_sum.data, R0 + i * R.row_stride, sum);
+    }
+  }
 }
 
 void kl_rows(const KlRowsArgs& a, const TensorView& kl, const TensorView& row_sum) {

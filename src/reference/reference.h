@@ -10,6 +10,7 @@ void forward(const core::Problem& p, const ForwardOutputs& out);
 void backward(const core::Problem& p, const BackwardArgs& args, const BackwardOutputs& out);
 void forward_stats(const core::Problem& p, const StatsOutputs& out);
 void kl_backward(const core::Problem& p, const KlBackwardArgs& args, const BackwardOutputs& out);
+void kl_forward(const core::Problem& p, const KlForwardArgs& args, const TensorView& kl, const TensorView& row_sum);
 void kl_rows(const KlRowsArgs& args, const TensorView& kl, const TensorView& row_sum);
 
 }  // namespace sdpa_math::reference

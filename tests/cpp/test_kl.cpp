@@ -117,6 +117,64 @@ TEST_P(ReferenceKlBackward, MatchesFiniteDifferences) {
 INSTANTIATE_TEST_SUITE_P(Cases, ReferenceKlBackward, ::testing::ValuesIn(kl_cases()),
                          [](const ::testing::TestParamInfo<KlCase>& info) { return std::string(info.param.name); });
 
+// kl_forward against the KL computed from the reference forward's P and lse: with that lse,
+// Σ_j r log r − Σ_j r x + R lse is Σ_j r log(r / P), over the kl_cases' shapes (causal, GQA, a
+// query broadcast over batches, transposed views) and a bool mask whose hidden keys the reference
+// avoids; then mass put on a hidden key makes that row +inf.
+class ReferenceKlForward : public ::testing::TestWithParam<KlCase> {};
+
+TEST_P(ReferenceKlForward, IsTheKlFromTheForwardsMap) {
+  Case c = GetParam().c;
+  Built b = build(c);
+  const ForwardShapes s = forward_shapes(b.args);
+  Tensor o = empty_tensor(DType::Float64, s.output), p = empty_tensor(DType::Float64, s.attn_probs),
+         lse = empty_tensor(DType::Float64, s.logsumexp);
+  forward(Backend::Reference, b.args, {o.view, p.view, lse.view});
+  const std::vector<double> P = read(p.view);
+  std::mt19937_64 rng(13);
+  Tensor r = reference_map(rng, s.attn_probs, false);
+  std::vector<double> rv = read(r.view);
+  for (size_t n = 0; n < rv.size(); ++n)
+    if (P[n] == 0.0) rv[n] = 0.0;  // hidden by causality or the mask: no mass there (yet)
+  write(r.view, rv);
+  const int64_t S = s.attn_probs.dims[s.attn_probs.ndim - 1];
+  Tensor kl = empty_tensor(DType::Float64, s.logsumexp), R = empty_tensor(DType::Float64, s.logsumexp);
+  KlForwardArgs args{b.args, lse.view, r.view};
+  kl_forward(Backend::Cpu, args, kl.view, R.view);
+  const std::vector<double> klv = read(kl.view), Rv = read(R.view);
+  ASSERT_EQ(klv.size(), rv.size() / S);
+  for (size_t row = 0; row < klv.size(); ++row) {
+    double want = 0, sum = 0;
+    for (int64_t j = 0; j < S; ++j) {
+      const double x = rv[row * S + j];
+      sum += x;
+      if (x > 0) want += x * std::log(x / P[row * S + j]);
+    }
+    EXPECT_NEAR(Rv[row], sum, 1e-12) << row;
+    EXPECT_NEAR(klv[row], want, 1e-10) << row;
+  }
+  // Mass on a key row 0 does not see, where there is one: +inf there.
+  for (int64_t j = 0; j < S; ++j) {
+    if (P[j] != 0.0) continue;
+    rv[j] = 0.5;
+    write(r.view, rv);
+    kl_forward(Backend::Reference, args, kl.view, R.view);
+    EXPECT_EQ(read(kl.view)[0], INFINITY);
+    break;
+  }
+}
+
+std::vector<KlCase> kl_forward_cases() {
+  std::vector<KlCase> v = kl_cases();
+  Case c = v[0].c;
+  c.mask = MaskKind::BoolFull;
+  v.push_back({"bool_mask", c});  // (with causality the contract refuses a mask)
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, ReferenceKlForward, ::testing::ValuesIn(kl_forward_cases()),
+                         [](const ::testing::TestParamInfo<KlCase>& info) { return std::string(info.param.name); });
+
 TEST(KlRows, MatchTheirDefinitionOnTransposedViews) {
   // r (2 heads, 3 rows, 6 keys) and u with rows and heads swapped in memory, a quarter of r's
   // entries 0 (0 log 0 = 0), one row all 0 (R = 0: no lse term); causal, so rows with mass right
@@ -199,6 +257,18 @@ TEST(KlValidation, NamesTheBadArgumentBeforeWritingAnything) {
   expect_error([&] { kl_backward(Backend::Reference, args, {dq.view, dk.view, std::nullopt, std::nullopt}); },
                   ErrorCode::DropoutProbability, "dropout-free map");
   EXPECT_EQ(dq.storage, before);
+  Tensor fwd_kl = empty_tensor(DType::Float64, s.logsumexp), sums = empty_tensor(DType::Float64, s.logsumexp);
+  const std::vector<unsigned char> fwd_before = fwd_kl.storage;
+  KlForwardArgs fwd{dropped, lse.view, r.view};
+  expect_error([&] { kl_forward(Backend::Reference, fwd, fwd_kl.view, sums.view); }, ErrorCode::DropoutProbability,
+               "dropout-free map");
+  fwd.forward = b.args;
+  fwd.reference = wrong.view;
+  expect_error([&] { kl_forward(Backend::Cpu, fwd, fwd_kl.view, sums.view); }, ErrorCode::BadGradient,
+               "reference has shape (2, 7, 6), expected (2, 7, 7)");
+  fwd.reference = r.view;
+  expect_error([&] { kl_forward(Backend::Cpu, fwd, r.view, sums.view); }, ErrorCode::BadOutput, "kl has shape");
+  EXPECT_EQ(fwd_kl.storage, fwd_before);
   Tensor flat = empty_tensor(DType::Float32, make_shape({5}));
   KlRowsArgs rows{flat.view, b.q.view, b.q.view, lse.view, 1.0, false};
   expect_error([&] { kl_rows(Backend::Cpu, rows, lse.view, lse.view); }, ErrorCode::RankTooLow,
