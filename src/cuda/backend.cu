@@ -345,4 +345,50 @@ void kl_backward(const core::Problem& p, const KlBackwardArgs& args, const Backw
                   "inputs' dtype; sdpa_math.stats.attention_stats computes kl_to's gradient from chunks of P instead)");
 }
 
+
+bool kl_forward_applies(const core::Problem& p, const KlForwardArgs& args) {
+#ifdef SDPA_MATH_WITH_SM90
+  DeviceGuard guard(p.device.index);
+  DevProblem dp = to_device(p);
+  dp.lse = output_to_device(p, args.logsumexp, false);
+  sm90::KlRowsOut out;  // as kl_forward's callers allocate them
+  out.kl.dtype = out.row_sum.dtype = p.dtype == DType::Float64 ? DType::Float64 : DType::Float32;
+  return sm90::kl_forward_declines(dp, output_to_device(p, args.reference, true), out) == nullptr;
+#else
+  (void)p;
+  (void)args;
+  return false;
+#endif
+}
+
+void kl_forward(const core::Problem& p, const KlForwardArgs& args, const TensorView& kl, const TensorView& row_sum,
+                const CudaExecution& ex) {
+  const char* why = "this build has no Hopper kernels";
+#ifdef SDPA_MATH_WITH_SM90
+  DeviceGuard guard(p.device.index);
+  DevProblem dp = to_device(p);
+  dp.lse = output_to_device(p, args.logsumexp, false);
+  const DevOperand ref = output_to_device(p, args.reference, true);
+  const sm90::KlRowsOut out{output_to_device(p, kl, false), output_to_device(p, row_sum, false)};
+  if (const char* declined = sm90::kl_forward_conditions_decline(dp, ref, out)) {
+    why = declined;
+  } else {
+    if (sm90::kl_forward(dp, ref, out, static_cast<cudaStream_t>(ex.stream))) return;
+    why = "the TMA unit cannot address q, k or the reference map";
+  }
+#else
+  (void)p;
+  (void)args;
+  (void)kl;
+  (void)row_sum;
+  (void)ex;
+#endif
+  throw Error(ErrorCode::BackendUnavailable,
+              std::string("kl_forward: no CUDA kernel takes this problem, ") + why +
+                  " (it needs a Hopper GPU and a build with its kernels; float16 or bfloat16 inputs without dropout or "
+                  "a mask; a reference map in the inputs' dtype; head size E a multiple of 8 up to 128; rows of q, k "
+                  "and the reference 16-byte aligned (S a multiple of 8); float32 outputs; sdpa_math.kl_rows with "
+                  "u = r K covers the rest)");
+}
+
 }  // namespace sdpa_math::cuda

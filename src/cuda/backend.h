@@ -25,6 +25,9 @@ inline constexpr const char* stats_kernel_requirements =
 void kl_rows(const KlRowsArgs& args, const TensorView& kl, const TensorView& row_sum, const CudaExecution& ex);
 void kl_backward(const core::Problem& p, const KlBackwardArgs& args, const BackwardOutputs& out, const CudaExecution& ex);
 bool kl_backward_applies(const core::Problem& p, const KlBackwardArgs& args);
+void kl_forward(const core::Problem& p, const KlForwardArgs& args, const TensorView& kl, const TensorView& row_sum,
+                const CudaExecution& ex);
+bool kl_forward_applies(const core::Problem& p, const KlForwardArgs& args);
 
 // cuBLAS handles this process has created (gemm_path.cu's pool), for tests.
 int64_t cublas_handles_created();

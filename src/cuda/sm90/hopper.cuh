@@ -37,6 +37,14 @@ SDPA_MATH_D void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r
                : "memory");
 }
 
+// A 32-bit shared-memory load at a shared-window address (smem_u32): LDS, where a generic
+// pointer into dynamic shared memory compiles to a generic load and 64-bit address arithmetic.
+SDPA_MATH_D uint32_t lds32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
+  return v;
+}
+
 // ---- mbarriers --------------------------------------------------------------------------------
 
 SDPA_MATH_D void mbar_init(uint64_t* bar, uint32_t count) {

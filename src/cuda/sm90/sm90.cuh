@@ -76,4 +76,19 @@ const char* kl_conditions_decline(const DevProblem& p, const KlInputs& in);
 int64_t kl_backward_workspace_floats(const DevProblem& p);
 bool kl_backward(const DevProblem& p, const KlInputs& in, const BackwardTargets& out, float* workspace, cudaStream_t stream);
 
+// kl_to's forward rows without P (kl_forward_sm90.cu): the KL of each row to the reference and
+// its row sum R, fp32 rows shaped like the lse (kl_rows' definition, attention.h), from q, k, the
+// lse in p.lse and the reference (P's shape, the inputs' dtype), with Q Kᵀ on the tensor cores
+// instead of the caller's r K.
+struct KlRowsOut {
+  DevOperand kl, row_sum;
+};
+// fp16/bf16 without dropout or a mask (causal allowed), head size E up to 128 (a multiple of 8),
+// fp32 lse and outputs; without the TMA maps (kl_forward encodes them and returns false, before
+// any launch, when one cannot be encoded).
+const char* kl_forward_conditions_decline(const DevProblem& p, const DevOperand& reference, const KlRowsOut& out);
+// The same and TMA can address q, k and the reference: why not, or nullptr when it applies.
+const char* kl_forward_declines(const DevProblem& p, const DevOperand& reference, const KlRowsOut& out);
+bool kl_forward(const DevProblem& p, const DevOperand& reference, const KlRowsOut& out, cudaStream_t stream);
+
 }  // namespace sdpa_math::cuda::sm90
