@@ -91,6 +91,12 @@ def _kl_rows_fake(reference, is_causal, query, ref_keys, logsumexp, scale):
     return reference.new_empty(rows, dtype=stat), reference.new_empty(rows, dtype=stat)
 
 
+@torch.library.register_fake("sdpa_math::kl_forward")
+def _kl_forward_fake(query, key, value, is_causal, scale, enable_gqa, logsumexp, reference):
+    stat = torch.float64 if query.dtype == torch.float64 else torch.float32
+    return logsumexp.new_empty(logsumexp.shape, dtype=stat), logsumexp.new_empty(logsumexp.shape, dtype=stat)
+
+
 @torch.library.register_fake("sdpa_math::kl_backward")
 def _kl_backward_fake(query, key, value, is_causal, scale, enable_gqa, logsumexp, reference, ref_row_sum, grad_kl,
                       output_mask):

@@ -16,8 +16,9 @@ the chunk's O and lse and forms the KL's gradient to the logits directly. On CUD
 Hopper kernels take the inputs (no mask, the reference in the inputs' dtype), kl_to alone runs
 whole, never forming P (_KLFused): O and lse from the fused kernel PyTorch's SDPA chooses (cuDNN,
 flash or efficient attention; our statistics kernel where it chooses none or the inputs do not
-suit it), the KL as Σ r log r − Σ r x + R lse from one product u = r K and one pass over the
-reference (kl_rows), and the gradient from the Hopper backward's KL form, which recomputes P
+suit it), the KL as Σ r log r − Σ r x + R lse from one pass over the reference that forms the
+logits tile by tile (kl_forward; where TMA cannot address the reference, one product u = r K
+and a pass with kl_rows), and the gradient from the Hopper backward's KL form, which recomputes P
 tile by tile from the lse.
 
 Exact definitions, dtypes and the GQA and visible-queries rules: docs/statistics.md.
@@ -348,8 +349,8 @@ def _ref_product_view(r, k, enable_gqa):
 
 def _kl_fused_applies(q, k, v, m, ref, is_causal, scale, enable_gqa, lead):
     """Whether kl_to runs whole on the CUDA kernels (_KLFused): fp16/bf16 on CUDA, no mask, the
-    reference in the inputs' dtype and not itself differentiated, laid out so that r K needs no
-    copy of it; the statistics kernel takes the inputs (O and lse without P) and the Hopper
+    reference in the inputs' dtype and not itself differentiated, laid out so that kl_forward's
+    kernel reads it or r K needs no copy of it; the statistics kernel takes the inputs (O and lse without P) and the Hopper
     backward's KL form takes the layout (torch.ops.sdpa_math.kl_backward_has_kernel, asked with
     placeholder rows). Not under torch.use_deterministic_algorithms(True) with a gradient: the
     KL form adds dQ with float atomics, while _KLChunk's products are deterministic."""
@@ -360,11 +361,14 @@ def _kl_fused_applies(q, k, v, m, ref, is_causal, scale, enable_gqa, lead):
         return False
     L, S = q.shape[-2], k.shape[-2]
     r = ref.expand(lead + (L, S))
-    if _ref_product_view(r, k, enable_gqa) is None:
-        return False
     if not ops.forward_stats_has_kernel(q, k, v, None, is_causal, scale, enable_gqa, False, False, 0):
         return False
     rows = q.new_empty(lead + (L,), dtype=torch.float32)
+    # the forward's rows: kl_forward's kernel (where _KLFused.forward takes it) reads any layout
+    # TMA can address; the older route (r K, then kl_rows) only those that need no copy of r
+    if not _kl_forward_takes(q, k, v, is_causal, scale, enable_gqa, rows, r) and _ref_product_view(
+            r, k, enable_gqa) is None:
+        return False
     return ops.kl_backward_has_kernel(q, k, v, is_causal, scale, enable_gqa, rows, r, rows, rows)
 
 
@@ -419,21 +423,37 @@ def _o_and_lse(q, k, v, is_causal, scale, enable_gqa):
     return o, lse
 
 
+# kl_forward's kernel takes 128 query rows a CTA and streams every key tile of K past them: with a
+# handful of rows (decode) that is K read once per few rows at a fraction of copy bandwidth (run
+# v66, decode_s2k_d128: 0.29 ms), where one thin product r K streams it whole (0.13 ms with kl_rows).
+_KL_FORWARD_MIN_ROWS = 128
+
+
+def _kl_forward_takes(q, k, v, is_causal, scale, enable_gqa, lse, ref):
+    """Whether _KLFused's forward rows come from kl_forward's kernel (else r K and kl_rows)."""
+    return q.shape[-2] >= _KL_FORWARD_MIN_ROWS and ops.kl_forward_has_kernel(q, k, v, is_causal, scale, enable_gqa,
+                                                                             lse, ref)
+
+
 class _KLFused(torch.autograd.Function):
     """kl_to alone on CUDA, whole (no chunks), P never formed: returns (O, KL).
 
-    Forward: O and lse without P (_o_and_lse), u = r K (_ref_keys), then one streaming pass over
-    the reference (kl_rows) for KL = Σ r log r − scale q·u + R lse (+inf where r has mass on a
-    hidden key) and R. Backward: dQ and dK from the Hopper backward's KL
+    Forward: O and lse without P (_o_and_lse), then KL = Σ r log r − Σ r x + R lse (+inf where r
+    has mass on a hidden key) and R in one pass over the reference that forms the logits x tile by
+    tile (kl_forward's Hopper kernel); where TMA cannot address the reference, u = r K
+    (_ref_keys) and a streaming pass (kl_rows) with Σ r x = scale q·u. Backward: dQ and dK from the Hopper backward's KL
     form (dS = g (R P − r) with P recomputed from the lse per tile); O's gradient, when the loss
     uses O, through the operator's backward a chunk of query rows at a time (_o_grads_by_chunks)."""
 
     @staticmethod
     def forward(ctx, q, k, v, ref, is_causal, scale, enable_gqa):
         o, lse = _o_and_lse(q, k, v, is_causal, scale, enable_gqa)
-        lead, L, E = ref.shape[:-2], ref.shape[-2], q.shape[-1]
-        kl, R = ops.kl_rows(ref, is_causal, q.expand(lead + (L, E)), _ref_keys(ref, k, enable_gqa), lse,
-                            _scale_value(E, scale))
+        if _kl_forward_takes(q, k, v, is_causal, scale, enable_gqa, lse, ref):
+            kl, R = ops.kl_forward(q, k, v, is_causal, scale, enable_gqa, lse, ref)
+        else:  # few query rows, or the reference's rows not 16-byte aligned: r K, then one pass
+            lead, L, E = ref.shape[:-2], ref.shape[-2], q.shape[-1]
+            kl, R = ops.kl_rows(ref, is_causal, q.expand(lead + (L, E)), _ref_keys(ref, k, enable_gqa), lse,
+                                _scale_value(E, scale))
         ctx.save_for_backward(q, k, v, ref, o, lse, R)
         ctx.meta = (is_causal, scale, enable_gqa)
         ctx.set_materialize_grads(False)

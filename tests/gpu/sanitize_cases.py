@@ -1,7 +1,7 @@
 """A few forward+backward calls of every CUDA kernel family, small enough to run under
 compute-sanitizer (memcheck, racecheck, synccheck, initcheck): tails in L and S, padded head sizes, masks, causal,
 GQA, dropout, strided inputs, fp16/bf16 (tensor cores), a few query rows (the decode path),
-fp32/fp64 (generic path), the Hopper statistics kernel, and kl_to's kernels (kl_rows, the Hopper
+fp32/fp64 (generic path), the Hopper statistics kernel, and kl_to's kernels (kl_forward, kl_rows, the Hopper
 backward's KL form; its forward's O and lse come from PyTorch's SDPA kernel where one applies).
 
     compute-sanitizer --tool memcheck python3 tests/gpu/sanitize_cases.py [kl]
@@ -60,7 +60,8 @@ def stats(dtype, B, Hq, Hkv, L, S, E, Ev, causal=False, mask=False, rows=None, c
 
 
 def kl(dtype, B, Hq, Hkv, L, S, E, causal=False):
-    """kl_to alone with a gradient: on Hopper the fused path (r K, kl_rows, the KL backward form)."""
+    """kl_to alone with a gradient: on Hopper the fused path (kl_forward's kernel, or r K and kl_rows
+    where TMA cannot read the reference; the KL backward form)."""
     gen = torch.Generator(device="cuda").manual_seed(L * 1000 + S + 2)
     q, k, v = (torch.randn(B, h, n, E, device="cuda", dtype=dtype, generator=gen).requires_grad_(True)
                for h, n in ((Hq, L), (Hkv, S), (Hkv, S)))
@@ -77,7 +78,8 @@ def main():
         kl(dtype, 1, 2, 2, 100, 136, 64)
         kl(dtype, 2, 4, 2, 130, 200, 128, causal=True)
         kl(dtype, 1, 2, 2, 1, 64, 80)
-        kl(dtype, 2, 4, 2, 70, 90, 64, causal=True)  # 180-byte reference rows: loaded in pairs
+        kl(dtype, 2, 4, 2, 70, 90, 64, causal=True)  # 180-byte reference rows: r K, kl_rows, pairs
+        kl(dtype, 1, 2, 2, 64, 392, 40, causal=True)  # key tiles no row sees
     if sys.argv[1:] == ["kl"]:
         torch.cuda.synchronize()
         print("sanitize_cases: kl_to's calls finished")

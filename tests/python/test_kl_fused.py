@@ -107,6 +107,117 @@ def test_kl_rows_with_a_head_past_256():
         torch.testing.assert_close(R.double(), want_R, rtol=2e-6, atol=1e-6)
 
 
+def kl_forward_want(q, k, r, lse, scale, causal, gqa, keep=None):
+    """kl_forward's rows in float64 from its definition: Σ r log r − Σ_j r_ij x_ij over the keys
+    row i sees + R lse (the lse as given), 0 for a row with R = 0, +inf where r has mass on a
+    hidden key (causality, or keep = False in a bool mask)."""
+    q, k, r, lse = (t.double().cpu() for t in (q, k, r, lse))
+    kk = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3) if gqa else k
+    x = scale * q @ kk.transpose(-2, -1)
+    L, S = x.shape[-2:]
+    hidden = torch.ones(L, S, dtype=torch.bool).triu(1) if causal else torch.zeros(L, S, dtype=torch.bool)
+    if keep is not None:
+        hidden = hidden | ~keep.cpu()
+    xlogx = torch.where(r != 0, r * torch.log(torch.where(r != 0, r, 1.0)), 0.0)
+    R = r.sum(-1)
+    kl = xlogx.sum(-1) - torch.where(hidden, 0.0, r * x).sum(-1) + R * lse
+    kl = torch.where(R != 0, kl, 0.0)
+    kl = torch.where(torch.where(hidden, r, 0.0).sum(-1) > 0, float("inf"), kl)
+    return kl, R
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("gqa", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, F64], ids=dtype_id)
+def test_kl_forward_on_the_cpu_is_the_float64_reference(causal, gqa, dtype):
+    """kl_forward on the CPU runs the core's float64 reference: its definition to rounding, with
+    GQA's key heads, rows with R = 0 (0 though their lse is NaN), mass on a causally hidden key
+    (+inf), and the lse taken as given (not P's own: a wrong source of it shows)."""
+    gen = torch.Generator().manual_seed(61)
+    B, H, Hkv, L, S, E = 2, 4, 2 if gqa else 4, 9, 11, 8
+    q, k, v = (torch.randn(B, h, n, E, generator=gen, dtype=F64).to(dtype) for h, n in ((H, L), (Hkv, S), (Hkv, S)))
+    r = ref_map((B, H, L, S), dtype, "cpu", gen, causal=causal)
+    r[0, 1, :2] = 0.0  # no mass
+    r[1, 0, 3, 7] = 0.5  # row 3 cannot see key 7 under causality
+    lse = torch.randn(B, H, L, generator=gen, dtype=F64).to(torch.float32) + 2.0
+    lse[0, 1, 0] = float("nan")
+    kl, R = ops.kl_forward(q, k, v, causal, 0.3, gqa, lse, r)
+    want_kl, want_R = kl_forward_want(q, k, r, lse, 0.3, causal, gqa)
+    stat = F64 if dtype == F64 else torch.float32
+    assert kl.dtype == stat and R.dtype == stat and kl.shape == (B, H, L)
+    tight = dtype == F64
+    torch.testing.assert_close(kl.double(), want_kl, rtol=1e-10 if tight else 2e-6, atol=1e-10 if tight else 2e-5)
+    torch.testing.assert_close(R.double(), want_R, rtol=1e-12 if tight else 1e-6, atol=1e-12 if tight else 1e-6)
+    assert (kl[0, 1, :2] == 0).all()
+    assert math.isinf(kl[1, 0, 3].item()) == causal and torch.isfinite(kl[1, 1]).all()
+
+
+KL_FORWARD_CASES = {  # B, Hq, Hkv, L, S, E, causal, reference layout
+    "mha_d128": (2, 4, 4, 256, 256, 128, False, "contiguous"),
+    "causal_gqa_d64": (2, 8, 2, 200, 200, 64, True, "contiguous"),
+    "tails_e40": (1, 3, 3, 100, 136, 40, False, "contiguous"),
+    "causal_rect_e80": (1, 2, 2, 130, 392, 80, True, "contiguous"),  # key tiles no row sees
+    "decode": (4, 4, 4, 1, 520, 128, False, "contiguous"),
+    "ref_transposed": (2, 3, 3, 64, 128, 64, True, "transposed"),  # (B, L, H, S) memory
+    "ref_broadcast": (2, 3, 3, 96, 64, 128, False, "broadcast"),  # one map for every head
+}
+
+
+@sm90_only
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("case", list(KL_FORWARD_CASES))
+def test_kl_forward_kernel_matches_its_definition(case, dtype):
+    """The Hopper kernel (Q Kᵀ on the tensor cores, the reference folded in per tile) within 1e-5
+    of the float64 definition for head sizes 40 to 128, GQA, rows and keys past whole tiles,
+    causal with L ≠ S, decode, and references transposed or broadcast over heads; rows with
+    R = 0 are 0 though their lse is NaN, a row with mass on a hidden key +inf."""
+    gen = torch.Generator().manual_seed(67)
+    B, H, Hkv, L, S, E, causal, layout = KL_FORWARD_CASES[case]
+    q, k, v = (torch.randn(B, h, n, E, generator=gen).to(dtype) for h, n in ((H, L), (Hkv, S), (Hkv, S)))
+    r = ref_map((B, H, L, S), dtype, "cpu", gen, causal=causal)
+    r[0, 0, :1] = 0.0
+    if causal:
+        r[B - 1, H - 1, L // 2, L // 2 + 1] = 0.25
+    kk = k.double().repeat_interleave(H // Hkv, dim=1)
+    x = q.double() @ kk.transpose(-2, -1) / math.sqrt(E)
+    if causal:
+        x = x.masked_fill(torch.ones(L, S, dtype=torch.bool).triu(1), float("-inf"))
+    lse = torch.logsumexp(x, -1).float()
+    lse[0, 0, 0] = float("nan")
+    rc = r.cuda()
+    if layout == "transposed":
+        rc = rc.transpose(1, 2).contiguous().transpose(1, 2)
+    elif layout == "broadcast":
+        rc = r[:, :1].cuda().expand(B, H, L, S)  # stride 0 over heads on the GPU
+        r = r[:, :1].expand(B, H, L, S)
+    args = (q.cuda(), k.cuda(), v.cuda(), causal, None, Hkv != H, lse.cuda(), rc)
+    assert ops.kl_forward_has_kernel(*args)
+    (kl, R), kernels = cuda_kernels(lambda: ops.kl_forward(*args))
+    assert any("kl_forward_sm90" in n for n in kernels), kernels
+    want_kl, want_R = kl_forward_want(q, k, r, lse, 1 / math.sqrt(E), causal, Hkv != H)
+    torch.testing.assert_close(kl.double().cpu(), want_kl, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(R.double().cpu(), want_R, rtol=1e-5, atol=1e-6)
+    assert kl[0, 0, 0] == 0
+    if causal:
+        assert math.isinf(kl[B - 1, H - 1, L // 2].item())
+    assert torch.isfinite(kl[B - 1, 0]).all()
+
+
+@sm90_only
+def test_kl_forward_declines_what_the_tma_unit_cannot_read():
+    """S = 36: rows of 72 bytes, not 16-byte aligned. kl_forward_has_kernel says no and the op
+    raises naming why, before writing anything; kl_to then takes r K and kl_rows."""
+    gen = torch.Generator().manual_seed(71)
+    q, k, v = (torch.randn(1, 2, n, 64, generator=gen).cuda().half() for n in (32, 36, 36))
+    r = ref_map((1, 2, 32, 36), torch.float16, "cuda", gen)
+    lse = torch.zeros(1, 2, 32, device="cuda")
+    assert not ops.kl_forward_has_kernel(q, k, v, False, None, False, lse, r)
+    with pytest.raises(RuntimeError, match="kl_forward: no CUDA kernel takes this problem, the TMA unit cannot address"):
+        ops.kl_forward(q, k, v, False, None, False, lse, r)
+    (_, st), kernels = cuda_kernels(lambda: attention_stats(q, k, v, kl_to=r))
+    assert any("kl_rows_kernel" in n for n in kernels) and not any("kl_forward_sm90" in n for n in kernels), kernels
+
+
 def kl_backward_want(q, k, r, R, g, scale, causal, gqa):
     """dQ and dK of Σ g_i Σ_j r_ij log(r_ij / P_ij) with R given (the op's definition: dS = g (R P − r))
     by float64 autograd through P."""
@@ -152,6 +263,10 @@ def test_kl_backward_names_bad_inputs():
         ops.kl_backward(q, q, q, False, None, False, lse, r, lse, lse, [True, True])
     with pytest.raises(RuntimeError, match="grad_kl has shape"):
         ops.kl_backward(q, q, q, False, None, False, lse, r[..., :4], lse, lse[..., :3], [True, True])
+    with pytest.raises(RuntimeError, match=r"reference has shape \(1, 2, 4, 5\), expected \(1, 2, 4, 4\)"):
+        ops.kl_forward(q, q, q, False, None, False, lse, r)
+    with pytest.raises(RuntimeError, match=r"logsumexp has shape \(1, 2, 3\), expected \(1, 2, 4\)"):
+        ops.kl_forward(q, q, q, False, None, False, lse[..., :3], r[..., :4])
     with pytest.raises(RuntimeError, match="reference must have at least 2 dims"):
         ops.kl_rows(torch.rand(5), False, q, q, lse, 1.0)
     with pytest.raises(RuntimeError, match=r"ref_keys has shape \(1, 2, 4, 7\), expected \(1, 2, 4, 8\)"):
@@ -268,6 +383,10 @@ def test_kl_to_takes_the_fused_kernels_and_matches_float64(case, dtype):
     assert stats_module._kl_fused_applies(lq, lk, lv, None, r.cuda(), causal, None, Hkv != H, (B, H))
     got, kernels = cuda_kernels(lambda: kl_and_grads(lq, lk, lv, r.cuda(), kw, wo=wo.cuda()))
     assert any("backward_sm90<" in n and "false, true>" in n for n in kernels), kernels  # the KL form ran
+    # the forward's rows: the Hopper kernel where TMA reads the reference (16-byte rows) and there are
+    # enough query rows, else r K and kl_rows
+    takes_forward = S % 8 == 0 and L >= stats_module._KL_FORWARD_MIN_ROWS
+    assert any(("kl_forward_sm90" if takes_forward else "kl_rows_kernel") in n for n in kernels), kernels
     want = kl_and_grads(*leaves((q, k, v), "cpu", F64), r.double(), kw, wo=wo)
     assert rel_err(got[0], want[0]) <= 1e-5, rel_err(got[0], want[0])
     torch.testing.assert_close(got[0].double().cpu(), want[0], rtol=1e-5, atol=1e-5)
@@ -334,8 +453,8 @@ def test_kl_to_takes_o_and_lse_from_pytorchs_fused_kernels_or_ours_alike(case, b
     with sdpa_kernel([SDPBackend.MATH]):  # no fused kernel: our statistics kernel gives O and lse
         assert stats_module._pytorch_fused_choice(q, k, v, causal, None, Hkv != H) == 0
         o_s, kl_s, g_s, kernels_s = run()
-    assert any("forward_sm90" in n for n in kernels_s), kernels_s
-    took_theirs = not any("forward_sm90" in n for n in kernels_t)
+    assert any("::forward_sm90<" in n for n in kernels_s), kernels_s
+    took_theirs = not any("::forward_sm90<" in n for n in kernels_t)
     assert took_theirs == (choice != 0), (choice, kernels_t)
     if backend == "FLASH_ATTENTION" and case == "mha":  # flash takes it on any sm_80+ GPU
         assert choice == 1
@@ -366,12 +485,20 @@ def test_kl_to_with_a_mask_or_a_float32_reference_keeps_the_composition():
     mask = torch.zeros(64, 64, device="cuda", dtype=torch.half)
     assert not stats_module._kl_fused_applies(q, k, v, mask, r.half(), False, None, False, (1, 2))
     assert not stats_module._kl_fused_applies(q, k, v, None, r, False, None, False, (1, 2))
-    # two batches of a (B, L, H, S) layout: r K would copy it to P's size, so the chunks take it
-    # (with one batch its heads merge into one batch dim that bmm reads as is, and it is taken)
-    q2, k2, v2 = (torch.cat([t, t]) for t in (q, k, v))
-    r_blhs = torch.cat([r.half()] * 2).transpose(1, 2).contiguous().transpose(1, 2)
-    assert not stats_module._kl_fused_applies(q2, k2, v2, None, r_blhs, False, None, False, (2, 2))
-    assert stats_module._kl_fused_applies(q2, k2, v2, None, r_blhs.contiguous(), False, None, False, (2, 2))
+    # Two batches of a (B, L, H, S) layout: with 128 query rows kl_forward's kernel reads it through
+    # TMA. With 64 rows the older route would run, whose r K would copy it to P's size, so the
+    # chunks take it; contiguous, its lead dims merge into one batch dim that bmm reads as is.
+    # With S = 34 (rows 136 bytes apart) TMA cannot read it, whatever the row count.
+    def blhs(t):
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+    def applies(L, S, r_layout):
+        q2, k2, v2 = (torch.randn(2, 2, n, 64, generator=gen).cuda().half() for n in (L, S, S))
+        r2 = r_layout(ref_map((2, 2, L, S), torch.float16, "cuda", gen))
+        return stats_module._kl_fused_applies(q2, k2, v2, None, r2, False, None, False, (2, 2))
+
+    assert applies(128, 64, blhs) and not applies(64, 64, blhs) and applies(64, 64, lambda t: t)
+    assert not applies(128, 34, blhs) and applies(128, 34, lambda t: t)
     assert stats_module._kl_fused_applies(q, k, v, None, r.half(), False, None, False, (1, 2))
     _, kernels = cuda_kernels(lambda: attention_stats(q, k, v, kl_to=r))
     assert not any("backward_sm90" in n for n in kernels)

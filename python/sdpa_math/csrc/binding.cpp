@@ -319,6 +319,43 @@ std::tuple<at::Tensor, at::Tensor> kl_rows_kernel(const at::Tensor& reference, b
   });
 }
 
+sdpa_math::KlForwardArgs kl_forward_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool is_causal,
+                                         std::optional<double> scale, bool enable_gqa, const at::Tensor& logsumexp,
+                                         const at::Tensor& reference) {
+  sdpa_math::KlForwardArgs a;
+  a.forward = forward_args(q, k, v, std::nullopt, 0.0, is_causal, std::nullopt, scale, enable_gqa, std::nullopt);
+  a.logsumexp = view_of(logsumexp);
+  a.reference = view_of(reference);
+  return a;
+}
+
+// kl_rows' outputs from q and k (the logits formed tile by tile) instead of u = r K: float32 rows
+// shaped like the lse (float64 for float64 inputs).
+std::tuple<at::Tensor, at::Tensor> kl_forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                     bool is_causal, std::optional<double> scale, bool enable_gqa,
+                                                     const at::Tensor& logsumexp, const at::Tensor& reference) {
+  return checked([&] {
+    const at::OptionalDeviceGuard guard(at::device_of(q));
+    const sdpa_math::KlForwardArgs a = kl_forward_args(q, k, v, is_causal, scale, enable_gqa, logsumexp, reference);
+    const std::vector<int64_t> rows = dims(sdpa_math::forward_shapes(a.forward).logsumexp);  // bad input: its own error first
+    const auto stat = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+    at::Tensor kl = at::empty(rows, q.options().dtype(stat)), R = at::empty(rows, q.options().dtype(stat));
+    poison({&kl, &R});
+    sdpa_math::kl_forward(backend_for(q), a, view_of(kl), view_of(R), cuda_execution(q));
+    return std::make_tuple(kl, R);
+  });
+}
+
+bool kl_forward_has_kernel_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool is_causal,
+                              std::optional<double> scale, bool enable_gqa, const at::Tensor& logsumexp,
+                              const at::Tensor& reference) {
+  return checked([&] {
+    const at::OptionalDeviceGuard guard(at::device_of(q));
+    return sdpa_math::kl_forward_has_kernel(backend_for(q),
+                                            kl_forward_args(q, k, v, is_causal, scale, enable_gqa, logsumexp, reference));
+  });
+}
+
 sdpa_math::KlBackwardArgs kl_backward_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool is_causal,
                                            std::optional<double> scale, bool enable_gqa, const at::Tensor& logsumexp,
                                            const at::Tensor& reference, const at::Tensor& ref_row_sum,
@@ -412,6 +449,12 @@ TORCH_LIBRARY(sdpa_math, m) {
       "kl_rows(Tensor reference, bool is_causal, Tensor query, Tensor ref_keys, Tensor logsumexp, float scale) "
       "-> (Tensor kl, Tensor row_sum)");
   m.def(
+      "kl_forward(Tensor query, Tensor key, Tensor value, bool is_causal, float? scale, bool enable_gqa, Tensor logsumexp, "
+      "Tensor reference) -> (Tensor kl, Tensor row_sum)");
+  m.def(
+      "kl_forward_has_kernel(Tensor query, Tensor key, Tensor value, bool is_causal, float? scale, bool enable_gqa, "
+      "Tensor logsumexp, Tensor reference) -> bool");
+  m.def(
       "kl_backward(Tensor query, Tensor key, Tensor value, bool is_causal, float? scale, bool enable_gqa, Tensor logsumexp, "
       "Tensor reference, Tensor ref_row_sum, Tensor grad_kl, bool[2] output_mask) -> (Tensor grad_query, Tensor grad_key)");
   m.def(
@@ -425,6 +468,8 @@ TORCH_LIBRARY_IMPL(sdpa_math, CPU, m) {
   m.impl("forward_stats", &forward_stats_kernel);
   m.impl("forward_stats_has_kernel", &forward_stats_has_kernel_op);
   m.impl("kl_rows", &kl_rows_kernel);
+  m.impl("kl_forward", &kl_forward_kernel);
+  m.impl("kl_forward_has_kernel", &kl_forward_has_kernel_op);
   m.impl("kl_backward", &kl_backward_kernel);
   m.impl("kl_backward_has_kernel", &kl_backward_has_kernel_op);
 }
@@ -436,6 +481,8 @@ TORCH_LIBRARY_IMPL(sdpa_math, CUDA, m) {
   m.impl("forward_stats", &forward_stats_kernel);
   m.impl("forward_stats_has_kernel", &forward_stats_has_kernel_op);
   m.impl("kl_rows", &kl_rows_kernel);
+  m.impl("kl_forward", &kl_forward_kernel);
+  m.impl("kl_forward_has_kernel", &kl_forward_has_kernel_op);
   m.impl("kl_backward", &kl_backward_kernel);
   m.impl("kl_backward_has_kernel", &kl_backward_has_kernel_op);
 }
@@ -452,6 +499,8 @@ TORCH_LIBRARY_IMPL(sdpa_math, CUDA, m) {
   m.impl("forward_stats", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
   m.impl("forward_stats_has_kernel", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
   m.impl("kl_rows", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
+  m.impl("kl_forward", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
+  m.impl("kl_forward_has_kernel", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
   m.impl("kl_backward", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
   m.impl("kl_backward_has_kernel", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
 }
