@@ -8,6 +8,7 @@
 
 #include <type_traits>
 
+#include "../core/kl_row.h"
 #include "backend.h"
 #include "device_problem.cuh"
 #include "launch.cuh"
@@ -141,9 +142,7 @@ __global__ void __launch_bounds__(256, 4) kl_rows_kernel(const T* __restrict__ r
   if (lane == 0) {
     // A row with no reference mass has KL 0 whatever q and the lse hold (a NaN there would
     // otherwise come through q·u = NaN · 0); one with hidden mass +inf.
-    Acc value = sum != Acc(0) ? h * Acc(0.69314718055994530942) - scale * qu + sum * l : Acc(0);
-    if (hid > Acc(0)) value = static_cast<Acc>(INFINITY);
-    kl[off[kKl]] = value;
+    kl[off[kKl]] = core::kl_of_row<Acc>(h * Acc(0.69314718055994530942), scale * qu, sum, l, hid);
     row_sum[off[kRowSum]] = sum;
   }
 }

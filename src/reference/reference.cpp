@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "../core/element.h"
+#include "../core/kl_row.h"
 #include "sdpa_math/dropout_rng.h"
 
 namespace sdpa_math::reference {
@@ -273,8 +274,7 @@ void kl_forward(const Problem& p, const KlForwardArgs& args, const TensorView& k
         if (x[j] == kNegInf) hidden += v;
         else rx += v * x[j];
       }
-      double value = sum != 0.0 ? xlogx - rx + sum * at(lse, l0, i, 0) : 0.0;
-      if (hidden > 0.0) value = INFINITY;
+      const double value = core::kl_of_row(xlogx, rx, sum, at(lse, l0, i, 0), hidden);
       core::store_from_double(K.dtype, kl.data, k0 + i * K.row_stride, value);
       core::store_from_double(R.dtype, row_sum.data, R0 + i * R.row_stride, sum);
     }
@@ -310,8 +310,7 @@ void kl_rows(const KlRowsArgs& a, const TensorView& kl, const TensorView& row_su
       qu += core::load_as_double(a.query.dtype, a.query.data, q0 + e * a.query.strides[nd - 1]) *
             core::load_as_double(a.ref_keys.dtype, a.ref_keys.data, u0 + e * a.ref_keys.strides[nd - 1]);
     const double lse = core::load_as_double(a.logsumexp.dtype, a.logsumexp.data, row_offset(a.logsumexp, n));
-    double value = sum != 0.0 ? xlogx - a.scale * qu + sum * lse : 0.0;  // no mass: 0, even for a NaN q or lse
-    if (hidden > 0.0) value = INFINITY;
+    const double value = core::kl_of_row(xlogx, a.scale * qu, sum, lse, hidden);  // no mass: 0, even for a NaN q
     core::store_from_double(kl.dtype, kl.data, row_offset(kl, n), value);
     core::store_from_double(row_sum.dtype, row_sum.data, row_offset(row_sum, n), sum);
   }

@@ -16,19 +16,21 @@
 // read: mass there makes the KL +inf), and the producer loads no K for tiles no row of the CTA
 // sees.
 //
-// Speed (H200, prefill1k_d128 fp16): 0.094 ms (runs v70, v71) against 0.123 for r K + kl_rows,
-// and against ~0.045 predicted from its memory time. Nsight Compute (v68, v69): one CTA an SM
-// (225 KiB of shared memory), two warps a scheduler, and the warps mostly wait, the largest
-// share for their tile's barrier ("long scoreboard", 1.4 of ~5.4 cycles an instruction) with
-// DRAM at 33 % of peak. Cutting the fold from ~15 instructions an element to ~6 (v69 → v70) gave
-// 11 %, so what limits it is the depth of the load pipeline at one CTA an SM, not the issue rate;
-// the next step is more loads in flight (smaller key tiles with more stages, or K and the
-// reference in separate rings) and more than two warps a scheduler.
+// Speed (H200, prefill1k_d128 fp16): 0.094 ms (runs v70, v71) against 0.123 for r K + kl_rows
+// (v61), and against ~0.045 predicted from its memory time. Nsight Compute of the previous
+// version (v69): one CTA an SM (225 KiB of shared memory), two warps a scheduler, DRAM at 33 % of
+// peak, and the largest stall "long scoreboard" (1.4 of ~5.4 cycles an instruction), which we
+// read as waiting for the tile's barrier. Cutting the fold from ~15 instructions an element to
+// ~6 (v69 → v70) gave 11 %, so the issue rate is not what limits it; the depth of the load
+// pipeline at one CTA an SM is the likely limit (v70 itself was not profiled). Next: more loads
+// in flight (smaller key tiles with more stages, or K and the reference in separate rings) and
+// more than two warps a scheduler.
 #include <cudaTypedefs.h>
 
 #include <cstdint>
 #include <type_traits>
 
+#include "../../core/kl_row.h"
 #include "../launch.cuh"
 #include "../mma.cuh"
 #include "hopper.cuh"
@@ -82,13 +84,21 @@ enum class Keys { All, Diagonal, Hidden };
 
 // Folds one reference tile into a warpgroup's running row sums, two partial sums a row (one per
 // element of a pair, for independent chains): sum += x; h += x log2(x + 1e-30), which is x log2 x
-// to within 1e-28 absolute (0 log 0 = 0 with no select; a negative entry gives NaN, as log x
-// does); xs += x s on the keys the row sees; hid += x on those it does not. About six
+// to within 1e-28 absolute (0 log 0 = 0 with no select; a negative entry below -1e-30 gives NaN,
+// as log x does, while one in (-1e-30, 0), which only bf16 holds, is taken as 0); xs += x s on
+// the keys the row sees (on a diagonal tile a hidden key adds 0 · s, NaN if s is not finite,
+// where the reference skips it); hid += x on those it does not. About six
 // instructions an element on the tiles every row sees (v69's fold, with a select per element
 // everywhere and a min and a max for the log's domain, took about fifteen: v70 is 11 % faster).
 // `at` is this thread's byte address of pair (row warp*16 + g, 16-byte chunk 0 of block 0) in
 // the warpgroup's swizzled tile, so chunk n of its row is at at ^ (n << 4) (the row's chunks are
 // XOR-permuted by row % 8 = g, which `at` already holds in bits 4-6).
+// The byte-address XOR above is swizzled_pair (hopper.cuh) only while every tile starts on a
+// 1024-byte boundary.
+static_assert(Tiles<64>::kQBytes % 1024 == 0 && Tiles<64>::kStageBytes % 1024 == 0 && Tiles<64>::kKBytes % 1024 == 0 &&
+                  Tiles<128>::kQBytes % 1024 == 0 && Tiles<128>::kStageBytes % 1024 == 0 &&
+                  Tiles<128>::kKBytes % 1024 == 0 && (kRows * 128) % 1024 == 0,
+              "kl_forward's tiles must start on 1024-byte boundaries (the 128-byte swizzle's period)");
 struct RowSums {
   float h[2][2] = {}, xs[2][2] = {}, sum[2][2] = {}, hid[2] = {};
 };
@@ -257,10 +267,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int64_t i = iw + warp * 16 + g + 8 * r;
     if (t != 0 || i >= p.L) continue;
     const float lse = reinterpret_cast<const float*>(p.lse.data)[lead_off(p, p.lse, lead) + i * p.lse.row];
-    // A row with no reference mass has KL 0 whatever its lse holds; one with hidden mass +inf.
-    float value = sum_r != 0.0f ? fmaf(h_r, ln2, fmaf(-a.scale, xs_r, sum_r * lse)) : 0.0f;
-    if (hid_r > 0.0f) value = INFINITY;
-    reinterpret_cast<float*>(a.kl.data)[lead_off(p, a.kl, lead) + i * a.kl.row] = value;
+    reinterpret_cast<float*>(a.kl.data)[lead_off(p, a.kl, lead) + i * a.kl.row] =
+        core::kl_of_row(h_r * ln2, a.scale * xs_r, sum_r, lse, hid_r);
     reinterpret_cast<float*>(a.row_sum.data)[lead_off(p, a.row_sum, lead) + i * a.row_sum.row] = sum_r;
   }
 }
@@ -282,15 +290,20 @@ bool kl_forward_maps(const DevProblem& p, const DevOperand& reference, CUtensorM
 
 }  // namespace
 
-const char* kl_forward_conditions_decline(const DevProblem& p, const DevOperand& reference, const KlRowsOut& out) {
+const char* kl_inputs_decline(const DevProblem& p, DType reference) {
   if (p.q.dtype != DType::Float16 && p.q.dtype != DType::BFloat16) return "the inputs are not float16 or bfloat16";
   if (p.dropout != Dropout::None || p.mask.data != nullptr) return "there is dropout or a mask";
-  if (reference.dtype != p.q.dtype) return "the reference map's dtype is not the inputs'";
+  if (reference != p.q.dtype) return "the reference map's dtype is not the inputs'";
+  if (p.E <= 0 || p.E > 128 || p.E % 8 != 0) return "the head size is not a multiple of 8 up to 128";
+  if (!device_supported()) return "the device is not a Hopper GPU (or SDPA_MATH_SM90=0)";
+  return nullptr;
+}
+
+const char* kl_forward_conditions_decline(const DevProblem& p, const DevOperand& reference, const KlRowsOut& out) {
+  if (const char* why = kl_inputs_decline(p, reference.dtype)) return why;
   if (p.lse.dtype != DType::Float32 || out.kl.dtype != DType::Float32 || out.row_sum.dtype != DType::Float32)
     return "the lse or the outputs are not float32";
-  if (p.E <= 0 || p.E > 128 || p.E % 8 != 0) return "the head size is not a multiple of 8 up to 128";
   if (!(p.L > 0 && p.S > 0 && p.L <= 2147483647LL && p.S <= 2147483647LL - kBN)) return "L or S is 0 or above 2^31";
-  if (!device_supported()) return "the device is not a Hopper GPU (or SDPA_MATH_SM90=0)";
   return nullptr;
 }
 
@@ -298,8 +311,7 @@ const char* kl_forward_declines(const DevProblem& p, const DevOperand& reference
   if (const char* why = kl_forward_conditions_decline(p, reference, out)) return why;
   CUtensorMap maps[3];
   Args a{};
-  if (!kl_forward_maps(p, reference, maps, a))
-    return "the TMA unit cannot address q, k or the reference map (16-byte aligned rows: E and S multiples of 8)";
+  if (!kl_forward_maps(p, reference, maps, a)) return kKlForwardTmaDecline;
   return nullptr;
 }
 
