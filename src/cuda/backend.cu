@@ -363,6 +363,7 @@ bool kl_forward_applies(const core::Problem& p, const KlForwardArgs& args) {
 
 void kl_forward(const core::Problem& p, const KlForwardArgs& args, const TensorView& kl, const TensorView& row_sum,
                 const CudaExecution& ex) {
+  if (kl.numel() == 0) return;  // no rows (an S = 0 problem has rows, and is declined below)
   const char* why = "this build has no Hopper kernels";
 #ifdef SDPA_MATH_WITH_SM90
   DeviceGuard guard(p.device.index);
@@ -374,7 +375,7 @@ void kl_forward(const core::Problem& p, const KlForwardArgs& args, const TensorV
     why = declined;
   } else {
     if (sm90::kl_forward(dp, ref, out, static_cast<cudaStream_t>(ex.stream))) return;
-    why = "the TMA unit cannot address q, k or the reference map";
+    why = sm90::kKlForwardTmaDecline;
   }
 #else
   (void)p;

@@ -716,17 +716,13 @@ bool backward(const DevProblem& p, const BackwardTargets& out, float* workspace,
 }
 
 const char* kl_conditions_decline(const DevProblem& p, const KlInputs& in) {
-  if (p.q.dtype != DType::Float16 && p.q.dtype != DType::BFloat16) return "the inputs are not float16 or bfloat16";
-  if (p.dropout != Dropout::None || p.mask.data != nullptr) return "there is dropout or a mask";
-  if (in.reference.dtype != p.q.dtype) return "the reference map's dtype is not the inputs'";
+  if (const char* why = kl_inputs_decline(p, in.reference.dtype)) return why;
   if (p.lse.dtype != DType::Float32 || in.row_sum.dtype != DType::Float32 || in.grad_kl.dtype != DType::Float32)
     return "the lse, the reference's row sums or the KL's gradient are not float32";
-  if (p.E <= 0 || p.E > 128 || p.E % 8 != 0) return "the head size is not a multiple of 8 up to 128";
   if (!qk_stored_per_head(p)) return "q or k is broadcast over batch dims or has a non-unit column stride";
   if (!(p.L > 0 && p.S > 0 && p.L <= 2147483647LL && p.S <= 2147483647LL)) return "L or S is 0 or above 2^31";
   // kl_rows_prep's second grid dimension: a GQA group's query tiles (65,535 at most).
   if (p.k.head_group * ((p.L + kBM - 1) / kBM) > 65535) return "a GQA group has more than 65,535 query tiles";
-  if (!device_supported()) return "the device is not a Hopper GPU (or SDPA_MATH_SM90=0)";
   return nullptr;
 }
 

@@ -83,9 +83,15 @@ bool kl_backward(const DevProblem& p, const KlInputs& in, const BackwardTargets&
 struct KlRowsOut {
   DevOperand kl, row_sum;
 };
-// fp16/bf16 without dropout or a mask (causal allowed), head size E up to 128 (a multiple of 8),
-// fp32 lse and outputs; without the TMA maps (kl_forward encodes them and returns false, before
-// any launch, when one cannot be encoded).
+// What both KL kernels ask of the inputs (fp16/bf16, no dropout or mask, the reference in the
+// inputs' dtype, head size E a multiple of 8 up to 128, a Hopper device): why not, or nullptr.
+const char* kl_inputs_decline(const DevProblem& p, DType reference);
+// Why kl_forward declines a layout it cannot describe to the TMA unit.
+inline constexpr const char* kKlForwardTmaDecline =
+    "the TMA unit cannot address q, k or the reference map (each needs a 16-byte aligned base and rows: E and S "
+    "multiples of 8; a unit column stride; rows not broadcast; at most three lead dims of its own)";
+// kl_inputs_decline, L and S above 0 and below 2^31, fp32 lse and outputs; without the TMA maps
+// (kl_forward encodes them and returns false, before any launch, when one cannot be encoded).
 const char* kl_forward_conditions_decline(const DevProblem& p, const DevOperand& reference, const KlRowsOut& out);
 // The same and TMA can address q, k and the reference: why not, or nullptr when it applies.
 const char* kl_forward_declines(const DevProblem& p, const DevOperand& reference, const KlRowsOut& out);
