@@ -17,8 +17,8 @@ Hopper kernels take the inputs (no mask, the reference in the inputs' dtype), kl
 whole, never forming P (_KLFused): O and lse from the fused kernel PyTorch's SDPA chooses (cuDNN,
 flash or efficient attention; our statistics kernel where it chooses none or the inputs do not
 suit it), the KL as Σ r log r − Σ r x + R lse from one pass over the reference that forms the
-logits tile by tile (kl_forward; where TMA cannot address the reference, one product u = r K
-and a pass with kl_rows), and the gradient from the Hopper backward's KL form, which recomputes P
+logits tile by tile (kl_forward; with fewer than 128 query rows or a reference TMA cannot read,
+one product u = r K and a pass with kl_rows), and the gradient from the Hopper backward's KL form, which recomputes P
 tile by tile from the lse.
 
 Exact definitions, dtypes and the GQA and visible-queries rules: docs/statistics.md.
@@ -348,28 +348,33 @@ def _ref_product_view(r, k, enable_gqa):
 
 
 def _kl_fused_applies(q, k, v, m, ref, is_causal, scale, enable_gqa, lead):
-    """Whether kl_to runs whole on the CUDA kernels (_KLFused): fp16/bf16 on CUDA, no mask, the
-    reference in the inputs' dtype and not itself differentiated, laid out so that kl_forward's
-    kernel reads it or r K needs no copy of it; the statistics kernel takes the inputs (O and lse without P) and the Hopper
-    backward's KL form takes the layout (torch.ops.sdpa_math.kl_backward_has_kernel, asked with
-    placeholder rows). Not under torch.use_deterministic_algorithms(True) with a gradient: the
-    KL form adds dQ with float atomics, while _KLChunk's products are deterministic."""
+    """How kl_to runs whole on the CUDA kernels (_KLFused), or None where it does not: fp16/bf16 on
+    CUDA, no mask, the reference in the inputs' dtype and not itself differentiated, the
+    statistics kernel takes the inputs (O and lse without P), the Hopper backward's KL form takes
+    the layout (torch.ops.sdpa_math.kl_backward_has_kernel, asked with placeholder rows), and the
+    forward's rows have a route: "kl_forward" (its kernel, with 128 query rows or more and a
+    layout TMA can address) or "r_k" (r K and kl_rows, for a layout r K needs no copy of). Not
+    under torch.use_deterministic_algorithms(True) with a gradient: the KL form adds dQ with float
+    atomics, while _KLChunk's products are deterministic."""
     if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and m is None and ref.dtype == q.dtype
             and _BMM_HAS_OUT_DTYPE and not _tracked(ref)):
-        return False
+        return None
     if _tracked(q, k, v) and torch.are_deterministic_algorithms_enabled():
-        return False
+        return None
     L, S = q.shape[-2], k.shape[-2]
     r = ref.expand(lead + (L, S))
     if not ops.forward_stats_has_kernel(q, k, v, None, is_causal, scale, enable_gqa, False, False, 0):
-        return False
+        return None
     rows = q.new_empty(lead + (L,), dtype=torch.float32)
-    # the forward's rows: kl_forward's kernel (where _KLFused.forward takes it) reads any layout
-    # TMA can address; the older route (r K, then kl_rows) only those that need no copy of r
-    if not _kl_forward_takes(q, k, v, is_causal, scale, enable_gqa, rows, r) and _ref_product_view(
-            r, k, enable_gqa) is None:
-        return False
-    return ops.kl_backward_has_kernel(q, k, v, is_causal, scale, enable_gqa, rows, r, rows, rows)
+    if L >= _KL_FORWARD_MIN_ROWS and ops.kl_forward_has_kernel(q, k, v, is_causal, scale, enable_gqa, rows, r):
+        route = "kl_forward"
+    elif _ref_product_view(r, k, enable_gqa) is not None:
+        route = "r_k"
+    else:
+        return None
+    if not ops.kl_backward_has_kernel(q, k, v, is_causal, scale, enable_gqa, rows, r, rows, rows):
+        return None
+    return route
 
 
 # PyTorch's fused SDPA kernels that return the lse (torch.nn.attention.SDPBackend's numbering).
@@ -424,33 +429,28 @@ def _o_and_lse(q, k, v, is_causal, scale, enable_gqa):
 
 
 # kl_forward's kernel takes 128 query rows a CTA and streams every key tile of K past them: with a
-# handful of rows (decode) that is K read once per few rows at a fraction of copy bandwidth (run
-# v66, decode_s2k_d128: 0.29 ms), where one thin product r K streams it whole (0.13 ms with kl_rows).
+# handful of rows (decode) that is K read once per few rows at a fraction of copy bandwidth (runs
+# v66, v69, decode_s2k_d128: 0.29-0.31 ms), where one thin product r K and kl_rows stream it once
+# (0.13 ms, v71).
 _KL_FORWARD_MIN_ROWS = 128
-
-
-def _kl_forward_takes(q, k, v, is_causal, scale, enable_gqa, lse, ref):
-    """Whether _KLFused's forward rows come from kl_forward's kernel (else r K and kl_rows)."""
-    return q.shape[-2] >= _KL_FORWARD_MIN_ROWS and ops.kl_forward_has_kernel(q, k, v, is_causal, scale, enable_gqa,
-                                                                             lse, ref)
 
 
 class _KLFused(torch.autograd.Function):
     """kl_to alone on CUDA, whole (no chunks), P never formed: returns (O, KL).
 
     Forward: O and lse without P (_o_and_lse), then KL = Σ r log r − Σ r x + R lse (+inf where r
-    has mass on a hidden key) and R in one pass over the reference that forms the logits x tile by
-    tile (kl_forward's Hopper kernel); where TMA cannot address the reference, u = r K
-    (_ref_keys) and a streaming pass (kl_rows) with Σ r x = scale q·u. Backward: dQ and dK from the Hopper backward's KL
-    form (dS = g (R P − r) with P recomputed from the lse per tile); O's gradient, when the loss
+    has mass on a hidden key) and R, by the route _kl_fused_applies chose: one pass over the
+    reference that forms the logits x tile by tile (kl_forward's Hopper kernel), or, with fewer
+    than 128 query rows or a reference TMA cannot read, u = r K (_ref_keys) and a streaming pass
+    (kl_rows) with Σ r x = scale q·u. Backward: dQ and dK from the Hopper backward's KL form (dS = g (R P − r) with P recomputed from the lse per tile); O's gradient, when the loss
     uses O, through the operator's backward a chunk of query rows at a time (_o_grads_by_chunks)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ref, is_causal, scale, enable_gqa):
+    def forward(ctx, q, k, v, ref, is_causal, scale, enable_gqa, route):
         o, lse = _o_and_lse(q, k, v, is_causal, scale, enable_gqa)
-        if _kl_forward_takes(q, k, v, is_causal, scale, enable_gqa, lse, ref):
+        if route == "kl_forward":
             kl, R = ops.kl_forward(q, k, v, is_causal, scale, enable_gqa, lse, ref)
-        else:  # few query rows, or the reference's rows not 16-byte aligned: r K, then one pass
+        else:  # few query rows, or a reference TMA cannot read: r K, then one pass
             lead, L, E = ref.shape[:-2], ref.shape[-2], q.shape[-1]
             kl, R = ops.kl_rows(ref, is_causal, q.expand(lead + (L, E)), _ref_keys(ref, k, enable_gqa), lse,
                                 _scale_value(E, scale))
@@ -474,7 +474,7 @@ class _KLFused(torch.autograd.Function):
             grads[1] = _add(grads[1], dk) if want_k else grads[1]
         if want_v and grads[2] is None:  # V reaches the KL through nothing
             grads[2] = v.new_zeros(()).expand_as(v)
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None)
 
 
 def _logit_product_grads(ds, q, k, scale, enable_gqa):
@@ -632,9 +632,9 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
     # kl_to alone on CUDA's kernels, whole (_KLFused), with or without a gradient.
     if (kl_to is not None and col_sum is None and not row_entropy and not head_mean and win is None
-            and method != "chunks" and _kl_fused_applies(query, key, value, attn_mask, kl_to, is_causal, scale,
-                                                         enable_gqa, lead)):
-        o, kl = _KLFused.apply(query, key, value, kl_to.expand(lead + (L, S)), is_causal, scale, enable_gqa)
+            and method != "chunks" and (route := _kl_fused_applies(query, key, value, attn_mask, kl_to, is_causal,
+                                                                   scale, enable_gqa, lead))):
+        o, kl = _KLFused.apply(query, key, value, kl_to.expand(lead + (L, S)), is_causal, scale, enable_gqa, route)
         return o, {"kl_to": kl}
     # kl_to alone with a gradient elsewhere: its own autograd function per chunk (_KLChunk), not the checkpoint.
     kl_alone = (use_checkpoint and kl_to is not None and col_sum is None and not row_entropy and not head_mean

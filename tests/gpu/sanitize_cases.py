@@ -60,8 +60,8 @@ def stats(dtype, B, Hq, Hkv, L, S, E, Ev, causal=False, mask=False, rows=None, c
 
 
 def kl(dtype, B, Hq, Hkv, L, S, E, causal=False):
-    """kl_to alone with a gradient: on Hopper the fused path (kl_forward's kernel, or r K and kl_rows
-    where TMA cannot read the reference; the KL backward form)."""
+    """kl_to alone with a gradient: on Hopper the fused path (kl_forward's kernel from 128 query rows
+    where TMA reads the reference, else r K and kl_rows; the KL backward form)."""
     gen = torch.Generator(device="cuda").manual_seed(L * 1000 + S + 2)
     q, k, v = (torch.randn(B, h, n, E, device="cuda", dtype=dtype, generator=gen).requires_grad_(True)
                for h, n in ((Hq, L), (Hkv, S), (Hkv, S)))
@@ -79,7 +79,7 @@ def main():
         kl(dtype, 2, 4, 2, 130, 200, 128, causal=True)
         kl(dtype, 1, 2, 2, 1, 64, 80)
         kl(dtype, 2, 4, 2, 70, 90, 64, causal=True)  # 180-byte reference rows: r K, kl_rows, pairs
-        kl(dtype, 1, 2, 2, 64, 392, 40, causal=True)  # key tiles no row sees
+        kl(dtype, 1, 2, 2, 130, 392, 40, causal=True)  # kl_forward with key tiles no row sees
     if sys.argv[1:] == ["kl"]:
         torch.cuda.synchronize()
         print("sanitize_cases: kl_to's calls finished")

@@ -176,8 +176,12 @@ def test_kl_forward_kernel_matches_its_definition(case, dtype):
     q, k, v = (torch.randn(B, h, n, E, generator=gen).to(dtype) for h, n in ((H, L), (Hkv, S), (Hkv, S)))
     r = ref_map((B, H, L, S), dtype, "cpu", gen, causal=causal)
     r[0, 0, :1] = 0.0
-    if causal:
-        r[B - 1, H - 1, L // 2, L // 2 + 1] = 0.25
+    inf_rows = []
+    if causal:  # mass on a hidden key: in a diagonal tile, and in a tile past every row of a CTA
+        inf_rows = [(L // 2, L // 2 + 1), (1, S - 1), (L - 1, S - 1)]
+        inf_rows = [(i, j) for i, j in inf_rows if j > i]
+        for i, j in inf_rows:
+            r[B - 1, H - 1, i, j] = 0.25
     kk = k.double().repeat_interleave(H // Hkv, dim=1)
     x = q.double() @ kk.transpose(-2, -1) / math.sqrt(E)
     if causal:
@@ -198,19 +202,21 @@ def test_kl_forward_kernel_matches_its_definition(case, dtype):
     torch.testing.assert_close(kl.double().cpu(), want_kl, rtol=1e-5, atol=2e-5)
     torch.testing.assert_close(R.double().cpu(), want_R, rtol=1e-5, atol=1e-6)
     assert kl[0, 0, 0] == 0
-    if causal:
-        assert math.isinf(kl[B - 1, H - 1, L // 2].item())
+    for i, _ in inf_rows:
+        assert math.isinf(kl[B - 1, H - 1, i].item()), i
     assert torch.isfinite(kl[B - 1, 0]).all()
 
 
 @sm90_only
 def test_kl_forward_declines_what_the_tma_unit_cannot_read():
     """S = 36: rows of 72 bytes, not 16-byte aligned. kl_forward_has_kernel says no and the op
-    raises naming why, before writing anything; kl_to then takes r K and kl_rows."""
+    raises naming why; kl_to then takes r K and kl_rows though it has 128 query rows. fp32 inputs
+    are declined too."""
     gen = torch.Generator().manual_seed(71)
-    q, k, v = (torch.randn(1, 2, n, 64, generator=gen).cuda().half() for n in (32, 36, 36))
-    r = ref_map((1, 2, 32, 36), torch.float16, "cuda", gen)
-    lse = torch.zeros(1, 2, 32, device="cuda")
+    q, k, v = (torch.randn(1, 2, n, 64, generator=gen).cuda().half() for n in (128, 36, 36))
+    r = ref_map((1, 2, 128, 36), torch.float16, "cuda", gen)
+    lse = torch.zeros(1, 2, 128, device="cuda")
+    assert not ops.kl_forward_has_kernel(q.float(), k.float(), v.float(), False, None, False, lse, r.float())
     assert not ops.kl_forward_has_kernel(q, k, v, False, None, False, lse, r)
     with pytest.raises(RuntimeError, match="kl_forward: no CUDA kernel takes this problem, the TMA unit cannot address"):
         ops.kl_forward(q, k, v, False, None, False, lse, r)
@@ -380,13 +386,14 @@ def test_kl_to_takes_the_fused_kernels_and_matches_float64(case, dtype):
     kw = dict(is_causal=causal, enable_gqa=Hkv != H)
     wo = torch.randn(B, H, L, E, generator=gen)
     lq, lk, lv = leaves((q, k, v), "cuda", dtype)
-    assert stats_module._kl_fused_applies(lq, lk, lv, None, r.cuda(), causal, None, Hkv != H, (B, H))
-    got, kernels = cuda_kernels(lambda: kl_and_grads(lq, lk, lv, r.cuda(), kw, wo=wo.cuda()))
-    assert any("backward_sm90<" in n and "false, true>" in n for n in kernels), kernels  # the KL form ran
+    route = stats_module._kl_fused_applies(lq, lk, lv, None, r.cuda(), causal, None, Hkv != H, (B, H))
     # the forward's rows: the Hopper kernel where TMA reads the reference (16-byte rows) and there are
     # enough query rows, else r K and kl_rows
-    takes_forward = S % 8 == 0 and L >= stats_module._KL_FORWARD_MIN_ROWS
-    assert any(("kl_forward_sm90" if takes_forward else "kl_rows_kernel") in n for n in kernels), kernels
+    assert route == ("kl_forward" if S % 8 == 0 and L >= stats_module._KL_FORWARD_MIN_ROWS else "r_k"), route
+    got, kernels = cuda_kernels(lambda: kl_and_grads(lq, lk, lv, r.cuda(), kw, wo=wo.cuda()))
+    assert any("backward_sm90<" in n and "false, true>" in n for n in kernels), kernels  # the KL form ran
+    ran, skipped = ("kl_forward_sm90", "kl_rows_kernel") if route == "kl_forward" else ("kl_rows_kernel", "kl_forward_sm90")
+    assert any(ran in n for n in kernels) and not any(skipped in n for n in kernels), kernels
     want = kl_and_grads(*leaves((q, k, v), "cpu", F64), r.double(), kw, wo=wo)
     assert rel_err(got[0], want[0]) <= 1e-5, rel_err(got[0], want[0])
     torch.testing.assert_close(got[0].double().cpu(), want[0], rtol=1e-5, atol=1e-5)
