@@ -2,8 +2,8 @@
 # One call on the GPU machine does the whole job: check the machine, build the package there the
 # way a user does (pip with that machine's own compilers), check the build, run the GPU tests,
 # run a subset under compute-sanitizer, and benchmark. Raw results go under $OUT.
-#   bash scripts/gpu_run.sh [tests] [sanitize] [initcheck-repro] [cpu-only] [bench] [stats] [kl] [bench-full] [model] [demo] [profile]
-# SDPA_MATH_PYTEST_ARGS: what the tests stage runs (default tests/python). SDPA_MATH_GPU_ARCHS: the CUDA architectures to build (default 90a-real: the H200; a user's plain
+#   bash scripts/gpu_run.sh [tests] [sanitize] [initcheck-repro] [cpu-only] [bench] [stats] [kl] [kl-ncu] [bench-full] [model] [demo] [profile]
+# SDPA_MATH_PYTEST_ARGS: what the tests stage runs (default tests/python). SDPA_MATH_KL_PROFILES: the kl stage's shape:dtype profiles. SDPA_MATH_GPU_ARCHS: the CUDA architectures to build (default 90a-real: the H200; a user's plain
 # `pip install .` builds the CMake default list). SDPA_MATH_CARRIED=1 uses a build carried from the
 # build machine at python/sdpa_math/_C.so (or the site folder SDPA_MATH_CARRIED_SITE) instead (a
 # second configuration, not the one users run). SDPA_MATH_BENCH_SET, SDPA_MATH_BENCH_DTYPES: the bench stage's rows.
@@ -117,10 +117,20 @@ for stage in $stages; do
         tests/python/test_cuda_sm90_backward.py 2>&1 | tee "$OUT/pytest-kl.log" | tail -5
       wait
       for f in "$OUT"/sanitizer-kl-*.log; do echo "-- ${f##*/}"; grep -E "SUMMARY|finished" "$f"; done
-      for spec in prefill1k_d128:float16 prefill1k_d128:bfloat16 decode_s2k_d128:float16; do
+      for spec in ${SDPA_MATH_KL_PROFILES:-prefill1k_d128:float16 prefill1k_d128:bfloat16 prefill1k_d64:float16 \
+          prefill2k_d128_causal:float16 gqa1k_d128:float16 decode_s2k_d128:float16 long4k_d128_causal:float16}; do
         python3 tests/gpu/kl_profile.py ${spec%%:*} ${spec##*:} > "$OUT/kl-profile-${spec%%:*}-${spec##*:}.txt" 2>&1
         head -2 "$OUT/kl-profile-${spec%%:*}-${spec##*:}.txt"
       done ;;
+    kl-ncu)
+      # Why kl_to's two Hopper kernels (kl_forward, the KL backward) take the time they do: the
+      # warp-stall reasons per issued instruction, issue rate, DRAM and tensor-pipe use, one
+      # launch of each on prefill1k_d128 fp16 (run v68's metrics; clocks not locked).
+      log "ncu: kl_forward and the KL backward, stall reasons"
+      timeout 300 ncu --clock-control none --kernel-name regex:'kl_forward_sm90|backward_sm90' --launch-skip 4 --launch-count 2 \
+        --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$,smsp__inst_executed.sum,smsp__cycles_active.avg,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,dram__throughput.avg.pct_of_peak_sustained_elapsed,gpu__time_duration.sum' \
+        python3 tests/gpu/kl_profile.py prefill1k_d128 float16 > "$OUT/ncu-kl-stalls.txt" 2>&1
+      grep -E "sm90<|duration|dram__|stalled" "$OUT/ncu-kl-stalls.txt" | awk '$NF+0 >= 0.1 || /sm90</' | cut -c1-120 ;;
     bench-full)
       log "benchmark: anchors and sweep, fp16, bf16, fp32"
       python3 -m sdpa_math.bench run --device cuda --set anchors+sweep --out "$OUT" 2>&1 | tail -50 ;;
