@@ -6,11 +6,7 @@
 
 #include <cmath>
 
-#if defined(__CUDACC__)
-#define SDPA_MATH_HD __host__ __device__ __forceinline__
-#else
-#define SDPA_MATH_HD inline
-#endif
+#include "sdpa_math/host_device.h"
 
 namespace sdpa_math::core {
 

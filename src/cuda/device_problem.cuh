@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "sdpa_math/dropout_rng.h"
+#include "sdpa_math/host_device.h"
 #include "sdpa_math/tensor_view.h"
 
 namespace sdpa_math::cuda {
@@ -45,7 +46,6 @@ struct DevProblem {
 };
 
 #define SDPA_MATH_D __device__ __forceinline__
-#define SDPA_MATH_HD __host__ __device__ __forceinline__
 
 // The device twin of core::unravel (src/core/validate.cpp): the offset of lead index `lead`.
 // Host code may call it too (the fp32 path checks its layouts with it), as output_factor.

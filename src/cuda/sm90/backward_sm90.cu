@@ -46,10 +46,6 @@ namespace {
 
 constexpr int kBM = 64;         // query rows per step
 constexpr int kBN = 128;        // keys per CTA
-constexpr int kThreads = 384;   // producer warpgroup + two consumer warpgroups
-constexpr int kConsumerWarps = 8;
-constexpr int kProducerRegs = 40;
-constexpr int kConsumerRegs = 232;  // 128 * 40 + 256 * 232 <= 65536
 
 // Shared memory: K and V of the CTA's keys (D/64 column blocks of [128][64] each); a ring of
 // stages, each one query tile's Q and dO ([64][64] blocks) and P and dP_ext ([64 rows][64 keys]

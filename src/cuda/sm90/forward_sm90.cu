@@ -31,10 +31,6 @@ namespace {
 
 constexpr int kBM = 128;              // query rows per CTA
 constexpr int kBN = 128;              // keys per tile
-constexpr int kThreads = 384;         // producer warpgroup + two consumer warpgroups
-constexpr int kConsumerWarps = 8;
-constexpr int kProducerRegs = 40;
-constexpr int kConsumerRegs = 232;    // 128 * 40 + 256 * 232 <= 65536
 
 // Shared memory: Q; a ring of K tiles (both passes) and one of V tiles (pass 2), each stage with a
 // `full` and an `empty` mbarrier; each consumer warpgroup's 64 x kBN tile of P on its way out.

@@ -125,6 +125,13 @@ SDPA_MATH_D void prefetch_tensor_map(const CUtensorMap* map) {
 
 // ---- warpgroups -------------------------------------------------------------------------------
 
+// The layout every sm90 kernel here uses: one producer warpgroup (its one TMA-issuing thread needs
+// few registers) and two consumer warpgroups that take the registers it gives back.
+constexpr int kThreads = 384;
+constexpr int kConsumerWarps = 8;
+constexpr int kProducerRegs = 40;
+constexpr int kConsumerRegs = 232;  // 128 * 40 + 256 * 232 <= 65536
+
 template <int REGS>
 SDPA_MATH_D void regs_release() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS)); }
 template <int REGS>

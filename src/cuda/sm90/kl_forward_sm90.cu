@@ -42,10 +42,6 @@ namespace {
 
 constexpr int kRows = 128;      // query rows per CTA (64 per consumer warpgroup)
 constexpr int kBN = 128;        // keys per step
-constexpr int kThreads = 384;   // producer warpgroup + two consumer warpgroups
-constexpr int kConsumerWarps = 8;
-constexpr int kProducerRegs = 40;
-constexpr int kConsumerRegs = 232;  // 128 * 40 + 256 * 232 <= 65536
 
 // Shared memory (every block 1024-byte aligned, 128-byte swizzle, [rows][64] column blocks): Q of
 // the CTA's rows (D / 64 blocks of [128][64]); a ring of stages, each K's 128 rows (D / 64 blocks)
