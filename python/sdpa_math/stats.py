@@ -18,8 +18,8 @@ whole, never forming P (_KLFused): O and lse from the fused kernel PyTorch's SDP
 flash or efficient attention; our statistics kernel where it chooses none or the inputs do not
 suit it), the KL as Σ r log r − Σ r x + R lse from one pass over the reference that forms the
 logits tile by tile (kl_forward; with fewer than 128 query rows or a reference TMA cannot read,
-one product u = r K and a pass with kl_rows), and the gradient from the Hopper backward's KL form, which recomputes P
-tile by tile from the lse.
+one product u = r K and a pass with kl_rows), and the gradient from the Hopper backward's KL
+form, which recomputes P tile by tile from the lse.
 
 Exact definitions, dtypes and the GQA and visible-queries rules: docs/statistics.md.
 """
@@ -442,8 +442,9 @@ class _KLFused(torch.autograd.Function):
     has mass on a hidden key) and R, by the route _kl_fused_applies chose: one pass over the
     reference that forms the logits x tile by tile (kl_forward's Hopper kernel), or, with fewer
     than 128 query rows or a reference TMA cannot read, u = r K (_ref_keys) and a streaming pass
-    (kl_rows) with Σ r x = scale q·u. Backward: dQ and dK from the Hopper backward's KL form (dS = g (R P − r) with P recomputed from the lse per tile); O's gradient, when the loss
-    uses O, through the operator's backward a chunk of query rows at a time (_o_grads_by_chunks)."""
+    (kl_rows) with Σ r x = scale q·u. Backward: dQ and dK from the Hopper backward's KL form
+    (dS = g (R P − r) with P recomputed from the lse per tile); O's gradient, when the loss uses O,
+    through the operator's backward a chunk of query rows at a time (_o_grads_by_chunks)."""
 
     @staticmethod
     def forward(ctx, q, k, v, ref, is_causal, scale, enable_gqa, route):

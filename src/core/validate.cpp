@@ -329,13 +329,19 @@ void check_backward(const Problem& p, const BackwardArgs& a, const BackwardOutpu
   }
 }
 
-void check_kl_backward(const Problem& p, const KlBackwardArgs& a, const BackwardOutputs& out) {
+// What kl_forward and kl_backward both take: the dropout-free problem, the student's lse and the
+// reference map of P's shape.
+void check_kl_inputs(const Problem& p, const char* op, const TensorView& logsumexp, const TensorView& reference) {
   if (p.dropout != DropoutMode::None)
-    fail(ErrorCode::DropoutProbability, "kl_backward differentiates the KL to the dropout-free map P; dropout_p must be 0, got ",
+    fail(ErrorCode::DropoutProbability, op, " compares the reference with the dropout-free map P; dropout_p must be 0, got ",
          p.dropout_p);
+  check_view(logsumexp, "logsumexp", p.shapes.logsumexp, true, p.device, ErrorCode::BadGradient);
+  check_view(reference, "reference", p.shapes.attn_probs, false, p.device, ErrorCode::BadGradient);
+}
+
+void check_kl_backward(const Problem& p, const KlBackwardArgs& a, const BackwardOutputs& out) {
+  check_kl_inputs(p, "kl_backward", a.logsumexp, a.reference);
   const Device dev = p.device;
-  check_view(a.logsumexp, "logsumexp", p.shapes.logsumexp, true, dev, ErrorCode::BadGradient);
-  check_view(a.reference, "reference", p.shapes.attn_probs, false, dev, ErrorCode::BadGradient);
   check_view(a.ref_row_sum, "ref_row_sum", p.shapes.logsumexp, true, dev, ErrorCode::BadGradient);
   check_view(a.grad_kl, "grad_kl", p.shapes.logsumexp, true, dev, ErrorCode::BadGradient);
   if (out.grad_value || out.grad_attn_mask)
@@ -345,12 +351,8 @@ void check_kl_backward(const Problem& p, const KlBackwardArgs& a, const Backward
 }
 
 void check_kl_forward(const Problem& p, const KlForwardArgs& a, const TensorView* kl, const TensorView* row_sum) {
-  if (p.dropout != DropoutMode::None)
-    fail(ErrorCode::DropoutProbability, "kl_forward compares the reference with the dropout-free map P; dropout_p must be 0, got ",
-         p.dropout_p);
+  check_kl_inputs(p, "kl_forward", a.logsumexp, a.reference);
   const Device dev = p.device;
-  check_view(a.logsumexp, "logsumexp", p.shapes.logsumexp, true, dev, ErrorCode::BadGradient);
-  check_view(a.reference, "reference", p.shapes.attn_probs, false, dev, ErrorCode::BadGradient);
   if (kl) check_view(*kl, "kl", p.shapes.logsumexp, true, dev, ErrorCode::BadOutput);
   if (row_sum) check_view(*row_sum, "row_sum", p.shapes.logsumexp, true, dev, ErrorCode::BadOutput);
   if (kl && row_sum && kl->dtype != row_sum->dtype)

@@ -345,7 +345,6 @@ void kl_backward(const core::Problem& p, const KlBackwardArgs& args, const Backw
                   "inputs' dtype; sdpa_math.stats.attention_stats computes kl_to's gradient from chunks of P instead)");
 }
 
-
 bool kl_forward_applies(const core::Problem& p, const KlForwardArgs& args) {
 #ifdef SDPA_MATH_WITH_SM90
   DeviceGuard guard(p.device.index);
@@ -388,8 +387,8 @@ void kl_forward(const core::Problem& p, const KlForwardArgs& args, const TensorV
               std::string("kl_forward: no CUDA kernel takes this problem, ") + why +
                   " (it needs a Hopper GPU and a build with its kernels; float16 or bfloat16 inputs without dropout or "
                   "a mask; a reference map in the inputs' dtype; head size E a multiple of 8 up to 128; rows of q, k "
-                  "and the reference 16-byte aligned (S a multiple of 8); float32 outputs; sdpa_math.kl_rows with "
-                  "u = r K covers the rest)");
+                  "and the reference 16-byte aligned (S a multiple of 8); float32 outputs; torch.ops.sdpa_math.kl_rows "
+                  "with u = r K covers the rest)");
 }
 
 }  // namespace sdpa_math::cuda
