@@ -123,14 +123,20 @@ for stage in $stages; do
         head -2 "$OUT/kl-profile-${spec%%:*}-${spec##*:}.txt"
       done ;;
     kl-ncu)
-      # Why kl_to's two Hopper kernels (kl_forward, the KL backward) take the time they do: the
-      # warp-stall reasons per issued instruction, issue rate, DRAM and tensor-pipe use, one
-      # launch of each on prefill1k_d128 fp16 (run v68's metrics; clocks not locked).
-      log "ncu: kl_forward and the KL backward, stall reasons"
+      # Why kl_to's two Hopper kernels (kl_forward, the KL backward) take the time they do, one
+      # launch of each on prefill1k_d128 fp16 (clocks not locked): the warp-stall reasons per
+      # issued instruction, issue rate, DRAM and tensor-pipe use (ncu-kl-stalls.txt), and the
+      # stall samples of every SASS instruction (ncu-kl-source.csv.gz; the report itself,
+      # ncu-kl.ncu-rep, opens in Nsight Compute).
+      log "ncu: kl_forward and the KL backward, stall reasons and per-instruction samples"
       timeout 300 ncu --clock-control none --kernel-name regex:'kl_forward_sm90|backward_sm90' --launch-skip 4 --launch-count 2 \
+        --section SpeedOfLight --section ComputeWorkloadAnalysis --section SchedulerStats --section WarpStateStats \
+        --section SourceCounters \
         --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$,smsp__inst_executed.sum,smsp__cycles_active.avg,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,dram__throughput.avg.pct_of_peak_sustained_elapsed,gpu__time_duration.sum' \
-        python3 tests/gpu/kl_profile.py prefill1k_d128 float16 > "$OUT/ncu-kl-stalls.txt" 2>&1
-      grep -E "sm90<|duration|dram__|stalled" "$OUT/ncu-kl-stalls.txt" | awk '$NF+0 >= 0.1 || /sm90</' | cut -c1-120 ;;
+        -o "$OUT/ncu-kl" python3 tests/gpu/kl_profile.py prefill1k_d128 float16 > "$OUT/ncu-kl-run.txt" 2>&1
+      ncu -i "$OUT/ncu-kl.ncu-rep" --page details > "$OUT/ncu-kl-stalls.txt" 2>&1
+      ncu -i "$OUT/ncu-kl.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip > "$OUT/ncu-kl-source.csv.gz"
+      grep -E "sm90<|Duration|DRAM Throughput|hmma|Issued Warp|stalled_(long|wait|barrier|no_inst|short|math)" "$OUT/ncu-kl-stalls.txt" | cut -c1-120 ;;
     bench-full)
       log "benchmark: anchors and sweep, fp16, bf16, fp32"
       python3 -m sdpa_math.bench run --device cuda --set anchors+sweep --out "$OUT" 2>&1 | tail -50 ;;
@@ -153,3 +159,8 @@ for stage in $stages; do
   esac
 done
 log done
+# The device tool brings back at most 8 files: more than that leave as one archive.
+if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
+  tar -czf /tmp/gpu-run-results.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/gpu-run-results.tgz "$OUT/results.tgz"
+  echo "results packed into results.tgz (more than 8 files)"
+fi
