@@ -130,7 +130,12 @@ SDPA_MATH_D void prefetch_tensor_map(const CUtensorMap* map) {
 constexpr int kThreads = 384;
 constexpr int kConsumerWarps = 8;
 constexpr int kProducerRegs = 40;
-constexpr int kConsumerRegs = 232;  // 128 * 40 + 256 * 232 <= 65536
+constexpr int kConsumerRegs = 232;
+// Registers a thread gets at the launch (65536 / 384, rounded down to a multiple of 8): a
+// warpgroup's setmaxnreg increase is served from what another's decrease gave back, so a split
+// must fit kThreads * kLaunchRegs, not the SM's 65536.
+constexpr int kLaunchRegs = 168;
+static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= kThreads * kLaunchRegs, "register split over budget");
 
 template <int REGS>
 SDPA_MATH_D void regs_release() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS)); }
