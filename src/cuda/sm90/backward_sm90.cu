@@ -32,6 +32,7 @@
 // subnormal range (1 for bf16), undone in fp32 on dK and dQ. No mask (causality only).
 #include <cudaTypedefs.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -46,23 +47,38 @@ namespace {
 
 constexpr int kBM = 64;         // query rows per step
 constexpr int kBN = 128;        // keys per CTA
+// dQ's accumulators the CTAs running at once add into (the kernel's block order): a third of the
+// H200's 50 MiB L2, so they stay there beside the Q tiles every key block reads.
+constexpr int64_t kChunkDqBytes = 16LL << 20;
 
 // Shared memory: K and V of the CTA's keys (D/64 column blocks of [128][64] each); a ring of
 // stages, each one query tile's Q and dO ([64][64] blocks) and P and dP_ext ([64 rows][64 keys]
 // blocks, block w = warpgroup w's keys) and delta of its rows; dS, double-buffered, one [64][64]
-// block per warpgroup.
-template <int D>
+// block per warpgroup. The KL form keeps no V, and a stage holds only Q and the reference's tile
+// (where dP_ext sits otherwise): half the bytes, so twice the stages fit, and the loads of four
+// query tiles (six at D = 64) are in flight instead of two (three). That measured neutral
+// (prefill1k_d128 fp16, kl_to forward + backward 0.442 against 0.445 ms, run v73): the KL
+// backward does not wait on its loads.
+template <int D, bool KL>
 struct Tiles {
-  static constexpr int kStages = D == 64 ? 3 : 2;
   static constexpr int kRowTileBytes = kBM * D * 2;  // Q or dO
   static constexpr int kMapTileBytes = kBM * kBN * 2;  // P or dP_ext
   static constexpr int kKVBytes = kBN * D * 2;       // K or V
-  static constexpr int kStageBytes = 2 * kRowTileBytes + 2 * kMapTileBytes;
+  static constexpr int kKVTiles = KL ? 1 : 2;
+  // Offsets in a stage: Q, dO, P, dP_ext (KL: Q, the reference).
+  static constexpr int kDoAt = kRowTileBytes;
+  static constexpr int kPAt = 2 * kRowTileBytes;
+  static constexpr int kDpAt = KL ? kRowTileBytes : 2 * kRowTileBytes + kMapTileBytes;
+  static constexpr int kStageBytes = KL ? kRowTileBytes + kMapTileBytes : 2 * kRowTileBytes + 2 * kMapTileBytes;
+  static constexpr int kStages = KL ? (D == 64 ? 6 : 4) : (D == 64 ? 3 : 2);
   static constexpr int kDsBlockBytes = kBM * 64 * 2;
   static constexpr int kDeltaBytes = 3 * kBM * 4;  // per stage: the tile's delta (KL form: three row vectors)
   static constexpr int kBarriers = 2 * kStages + 1;
-  static constexpr size_t kSmem =
-      1024 + 2 * kKVBytes + kStages * kStageBytes + 4 * kDsBlockBytes + kStages * kDeltaBytes + 8 * kBarriers;
+  static constexpr size_t kSmem = 1024 + kKVTiles * kKVBytes + kStages * kStageBytes + 4 * kDsBlockBytes +
+                                  kStages * kDeltaBytes + 8 * kBarriers;
+  static_assert(kSmem <= 227 * 1024, "the sm90 backward's shared memory exceeds what an SM gives a CTA");
+  static_assert(kStageBytes % 1024 == 0 && kDpAt % 1024 == 0 && kKVBytes % 1024 == 0,
+                "swizzled tiles must start on 1024-byte boundaries");
 };
 
 struct Args {
@@ -70,6 +86,7 @@ struct Args {
   int64_t group;     // query heads per key head (GQA), else 1
   int64_t heads;     // query heads (the last lead dim; 1 without lead dims)
   int64_t kv_leads;  // num_lead / group
+  int64_t chunk_heads;  // key heads a chunk of CTAs covers (block order, see the kernel)
   int64_t q_tiles;   // ceil(L / 64)
   bool has_do, has_dp;
   bool p_tma;        // P and dP_ext come through TMA (rows 16-byte aligned: S % 8 == 0), else the
@@ -110,27 +127,34 @@ __global__ void __launch_bounds__(kThreads, 1)
                   const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_do,
                   const __grid_constant__ CUtensorMap tm_p, const __grid_constant__ CUtensorMap tm_dp,
                   const __grid_constant__ CUtensorMap tm_delta, const DevProblem p, const Args a) {
-  using C = Tiles<D>;
+  using C = Tiles<D, KL>;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* base = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   T* sK = reinterpret_cast<T*>(base);
   T* sV = sK + kBN * D;
-  unsigned char* stages = base + 2 * C::kKVBytes;
+  unsigned char* stages = base + C::kKVTiles * C::kKVBytes;
   T* sDS = reinterpret_cast<T*>(stages + C::kStages * C::kStageBytes);  // [buffer][warpgroup][64][64]
   float* sDelta = reinterpret_cast<float*>(sDS + 4 * kBM * 64);  // [stage][3][64]
   uint64_t* full = reinterpret_cast<uint64_t*>(sDelta + C::kStages * 3 * kBM);
   uint64_t* empty = full + C::kStages;
   uint64_t* kv_full = empty + C::kStages;
   auto stage_q = [&](int st) { return reinterpret_cast<T*>(stages + st * C::kStageBytes); };
-  auto stage_do = [&](int st) { return reinterpret_cast<T*>(stages + st * C::kStageBytes + C::kRowTileBytes); };
-  auto stage_p = [&](int st) { return reinterpret_cast<T*>(stages + st * C::kStageBytes + 2 * C::kRowTileBytes); };
-  auto stage_dp = [&](int st) {
-    return reinterpret_cast<T*>(stages + st * C::kStageBytes + 2 * C::kRowTileBytes + C::kMapTileBytes);
-  };
+  auto stage_do = [&](int st) { return reinterpret_cast<T*>(stages + st * C::kStageBytes + C::kDoAt); };
+  auto stage_p = [&](int st) { return reinterpret_cast<T*>(stages + st * C::kStageBytes + C::kPAt); };
+  auto stage_dp = [&](int st) { return reinterpret_cast<T*>(stages + st * C::kStageBytes + C::kDpAt); };
 
-  // Key blocks in order, each over every key head: causal blocks with the most query rows first.
-  const int64_t kv = blockIdx.x % a.kv_leads;
-  const int64_t j0 = static_cast<int64_t>(blockIdx.x / a.kv_leads) * kBN;
+  // Key heads in chunks of a.chunk_heads, every key block of a chunk's heads before the next chunk:
+  // the CTAs that run at once then add into the dQ accumulators of a chunk's heads only, which
+  // stay in L2, not into all of them (all of them at once: 32 MiB on prefill1k_d128, DRAM at 43 %
+  // of peak for the KL backward; chunked, 26 %, and 225 against 232 µs; the backward through O
+  // and P 4 % faster there, 2 % on long4k, run v73). Inside a chunk, key blocks in order, each over
+  // the chunk's heads: causal blocks with the most query rows first.
+  // 32-bit: every count here is below the grid's size (< 2^31, grid_x).
+  const int heads = static_cast<int>(a.chunk_heads), per_chunk = heads * static_cast<int>((p.S + kBN - 1) / kBN);
+  const int chunk = static_cast<int>(blockIdx.x) / per_chunk, in_chunk = static_cast<int>(blockIdx.x) % per_chunk;
+  const int chunk_size = min(heads, static_cast<int>(a.kv_leads) - chunk * heads);
+  const int64_t kv = chunk * heads + in_chunk % chunk_size;
+  const int64_t j0 = static_cast<int64_t>(in_chunk / chunk_size) * kBN;
   // Causal (top-left): rows i < j0 see none of these keys; their P is 0 here.
   const int64_t t_first = p.causal ? j0 / kBM : 0;
 
@@ -152,7 +176,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       prefetch_tensor_map(&tm_p);
       int c[3];
       map_coords(a.k, query_lead(a, kv, 0), c);
-      mbar_arrive_expect_tx(kv_full, (KL ? 1 : 2) * C::kKVBytes);  // the KL form reads no V
+      mbar_arrive_expect_tx(kv_full, C::kKVTiles * C::kKVBytes);  // the KL form reads no V
 #pragma unroll
       for (int b = 0; b < D / 64; ++b) tma_load_5d(sK + b * kBN * 64, &tm_k, kv_full, b * 64, static_cast<int>(j0), c[0], c[1], c[2]);
       if constexpr (!KL) {
@@ -550,10 +574,14 @@ __global__ void __launch_bounds__(256) dq_from_fragments(const DevProblem p, con
 }
 
 template <typename T, int D, bool KL>
-void launch(const CUtensorMap (&maps)[7], const DevProblem& p, const Args& a, const BackwardTargets& out,
+void launch(const CUtensorMap (&maps)[7], const DevProblem& p, Args a, const BackwardTargets& out,
             cudaStream_t stream) {
   const int64_t key_blocks = (p.S + kBN - 1) / kBN;
   const int64_t blocks = key_blocks * a.kv_leads;
+  // Chunks of key heads whose dQ accumulators (a group's query tiles times D floats each) take at
+  // most kChunkDqBytes of L2 together (at least one head a chunk).
+  const int64_t dq_bytes = a.group * a.q_tiles * kBM * D * 4;
+  a.chunk_heads = std::max<int64_t>(1, std::min<int64_t>(a.kv_leads, kChunkDqBytes / dq_bytes));
   // Both grids first, so an oversized problem is refused before either kernel runs; the kernel
   // indexes a group's query tiles with an int.
   const unsigned grid = grid_x(blocks, "sm90 backward");
@@ -562,8 +590,8 @@ void launch(const CUtensorMap (&maps)[7], const DevProblem& p, const Args& a, co
     throw Error(ErrorCode::CudaFailure, "too many query tiles in one GQA group for the sm90 backward");
   const auto kernel = KL ? &backward_sm90<T, D, false, true>
                           : a.has_do ? &backward_sm90<T, D, true, false> : &backward_sm90<T, D, false, false>;
-  set_smem_limit(reinterpret_cast<const void*>(kernel), Tiles<D>::kSmem);
-  kernel<<<grid, kThreads, Tiles<D>::kSmem, stream>>>(maps[0], maps[1], maps[2], maps[3], maps[4], maps[5], maps[6], p,
+  set_smem_limit(reinterpret_cast<const void*>(kernel), Tiles<D, KL>::kSmem);
+  kernel<<<grid, kThreads, Tiles<D, KL>::kSmem, stream>>>(maps[0], maps[1], maps[2], maps[3], maps[4], maps[5], maps[6], p,
                                                      a);
   check_launch("sm90 backward");
   if (out.dq) {
