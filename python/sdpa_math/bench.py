@@ -566,9 +566,49 @@ def code_hash():
     return h.hexdigest()[:16]
 
 
+# x86 extensions that move the CPU gate's ratios: our kernels and torch's products use them
+# differently (session 22's machine, with AVX-512 and AMX, ran torch's fp32 products twice as
+# fast as the one before it, and every CPU ratio fell by about half; bench/NOTES.md).
+CPU_ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+
+
+def cpu_kind(cpuinfo: str | None = None):
+    """The CPU as the gate compares it: {"model": "family-model name", "isa": the CPU_ISA_FLAGS it
+    has}, from /proc/cpuinfo's first processor (or the text given); None where there is none
+    (not Linux)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = pathlib.Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    fields = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            break  # the first processor's block ends
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    if not fields:
+        return None
+    flags = set(fields.get("flags", "").split())
+    model = f"{fields.get('cpu family', '?')}-{fields.get('model', '?')} {fields.get('model name', '')}".strip()
+    return {"model": model, "isa": [f for f in CPU_ISA_FLAGS if f in flags]}
+
+
+def machine_text(info) -> str:
+    """The machine of a run's info for a report: the GPU's name, else the CPU's kind (model and ISA
+    extensions) where recorded, else the architecture."""
+    if info.get("gpu"):
+        return info["gpu"]
+    kind = info.get("cpu_kind")
+    if kind:
+        return f"{kind['model']} ({', '.join(kind['isa']) or 'no AVX2'})"
+    return info.get("cpu", "?")
+
+
 def machine_info(device):
     info = {"torch": torch.__version__, "python": platform.python_version(), "device": device,
-            "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+            "cpu": platform.processor() or platform.machine(), "cpu_kind": cpu_kind(),
+            "threads": torch.get_num_threads(),
             "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "code_hash": code_hash(), "sdpa_math": getattr(sdpa_math, "__version__", "?")}
     if device == "cuda":
@@ -584,7 +624,7 @@ COLUMNS = ["ours", "native", "native16", "eager", "compiled", "lse", "flash"]
 
 
 def markdown(run):
-    lines = [f"# sdpa_math benchmark · {run['info']['device']} · {run['info'].get('gpu', run['info']['cpu'])} · "
+    lines = [f"# sdpa_math benchmark · {run['info']['device']} · {machine_text(run['info'])} · "
              f"torch {run['info']['torch']} · {run['info']['time']}", "",
              f"Ceilings measured in this run: copy {run['ceilings']['copy_Bps'] / 1e12:.3f} TB/s, "
              f"{run['ceilings']['mm_dtype']} matrix product {run['ceilings']['mm_flops'] / 1e12:.1f} TFLOP/s.", ""]
@@ -725,7 +765,7 @@ def plot(run, path):
         ax.set_ylabel("speedup of sdpa_math")
         ax.set_title("forward (O, P)" if phase == "fwd_ms" else "forward + backward")
         ax.legend(fontsize=7)
-    fig.suptitle(f"sdpa_math on {run['info'].get('gpu', run['info']['cpu'])}")
+    fig.suptitle(f"sdpa_math on {machine_text(run['info'])}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return str(path)
@@ -790,9 +830,17 @@ def gate(run, baseline, threshold, current_hash=None, subset=False):
     `threshold` is a FAIL, by more than half of it a WARN. Rows of the run that the baseline lacks
     (`new_rows`) have no ratios to judge; an error in ours or an override that did not take its
     call there still FAILs, as neither needs a baseline. With `subset`, a baseline row missing
-    from the run is not judged (a run of some of the baseline's sets). The same rules hold for
-    `bench run` and `bench stats` runs (each against a baseline of its own kind)."""
+    from the run is not judged (a run of some of the baseline's sets). A CPU run on another kind of
+    CPU than the baseline's (`cpu_kind`: model or ISA extensions differ, where both runs record
+    it) is a WARN: its ratios can shift with the machine alone. The same rules hold for `bench run`
+    and `bench stats` runs (each against a baseline of its own kind)."""
     fails, warns = [], []
+    kinds = run["info"].get("cpu_kind"), baseline["info"].get("cpu_kind")
+    if run["info"].get("device") == "cpu" and None not in kinds and kinds[0] != kinds[1]:
+        def text(k):
+            return f"{k.get('model')}, {' '.join(k.get('isa') or []) or 'none of ' + ' '.join(CPU_ISA_FLAGS)}"
+        warns.append(f"the run's CPU ({text(kinds[0])}) is not the baseline's ({text(kinds[1])}): its ratios can "
+                     "shift with the machine alone; a baseline made on this kind of CPU judges it")
     by_base = {(b["shape"], b["dtype"]) for b in baseline["rows"]}
     for r in run["rows"]:
         key = (r["shape"], r["dtype"])
@@ -972,7 +1020,7 @@ def attention_stats_reference(q, k, v, s, scale):
 
 def stats_markdown(run):
     lines = ["# Statistics of P: col_sum + row_entropy, forward, no gradient", "",
-             f"Machine: {run['info'].get('gpu', run['info'].get('cpu', '?'))}, {run['info'].get('threads')} CPU threads; "
+             f"Machine: {machine_text(run['info'])}, {run['info'].get('threads')} CPU threads; "
              f"torch {run['info'].get('torch')}; timing: {run['info'].get('timing')}; code {run['info'].get('code_hash')}.",
              "",
              "ours: `attention_stats`, the fused operator where it applies (fused = yes: the CPU kernel, or the "

@@ -116,3 +116,40 @@ def test_an_override_that_failed_fails():
     run["rows"][0]["impls"]["override"] = {"error": "RuntimeError: boom"}
     fails, _ = gate(run, _run(), 0.3)
     assert fails == ["('s1', 'float32'): the override failed: RuntimeError: boom"]
+
+
+_XEON_AMX = """processor\t: 0
+cpu family\t: 6
+model\t\t: 167
+model name\t: Intel(R) Xeon(R) Processor
+flags\t\t: fpu sse2 avx2 fma avx512f avx512_bf16 amx_tile amx_bf16
+
+processor\t: 1
+cpu family\t: 6
+model\t\t: 1
+"""
+
+
+def test_cpu_kind_reads_the_first_processor_and_the_isa_flags_that_matter():
+    from sdpa_math.bench import cpu_kind
+    assert cpu_kind(_XEON_AMX) == {"model": "6-167 Intel(R) Xeon(R) Processor",
+                                   "isa": ["avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"]}
+    assert cpu_kind("") is None
+
+
+def test_another_kind_of_cpu_warns_and_an_unrecorded_one_does_not():
+    from sdpa_math.bench import cpu_kind
+    amx = cpu_kind(_XEON_AMX)
+    avx2 = cpu_kind(_XEON_AMX.replace("model\t\t: 167", "model\t\t: 85").replace(" avx512f avx512_bf16 amx_tile amx_bf16", ""))
+    run, base = _run(), _run()
+    run["info"]["cpu_kind"], base["info"]["cpu_kind"] = amx, avx2
+    fails, warns = gate(run, base, 0.3)
+    assert not fails and len(warns) == 1 and "6-85" in warns[0] and "amx_tile" in warns[0]
+    base["info"]["cpu_kind"] = copy.deepcopy(amx)
+    assert gate(run, base, 0.3) == ([], [])
+    del base["info"]["cpu_kind"]  # a baseline made before the field: nothing to compare
+    assert gate(run, base, 0.3) == ([], [])
+    # GPU runs are judged by their GPU's ratios: the host CPU does not warn
+    run["info"]["device"] = base["info"]["device"] = "cuda"
+    base["info"]["cpu_kind"] = avx2
+    assert gate(run, base, 0.3) == ([], [])
