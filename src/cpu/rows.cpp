@@ -278,6 +278,43 @@ float softmax_row(float* x, int64_t n) {
   return m + std::log(sum);
 }
 
+double entropy_row(const float* p, const float* x, int64_t n) {
+  const int64_t full = n - n % kLanes;
+  f32x16 mv = splat(kNegInf), pv = f32x16{};
+  for (int64_t j = 0; j < full; j += kLanes) {
+    const f32x16 xj = load(x + j), pj = load(p + j);
+    mv = xj > mv ? xj : mv;
+    pv = pj > pv ? pj : pv;
+  }
+  float m = kNegInf, p_max = 0.0f;
+  for (int64_t l = 0; l < kLanes; ++l) {
+    m = std::max(m, mv[l]);
+    p_max = std::max(p_max, pv[l]);
+  }
+  for (int64_t j = full; j < n; ++j) {
+    m = std::max(m, x[j]);
+    p_max = std::max(p_max, p[j]);
+  }
+  typedef double f64x8 __attribute__((vector_size(64)));
+  typedef float f32x8h __attribute__((vector_size(32)));
+  f64x8 lo = f64x8{}, hi = f64x8{};
+  const f32x16 zero = f32x16{};
+  for (int64_t j = 0; j < full; j += kLanes) {
+    const f32x16 pj = load(p + j);
+    const f32x16 t = pj > zero ? pj * (m - load(x + j)) : zero;
+    f32x8h t_lo, t_hi;
+    std::memcpy(&t_lo, &t, sizeof(t_lo));
+    std::memcpy(&t_hi, reinterpret_cast<const char*>(&t) + sizeof(t_lo), sizeof(t_hi));
+    lo += __builtin_convertvector(t_lo, f64x8);
+    hi += __builtin_convertvector(t_hi, f64x8);
+  }
+  double h = 0.0;
+  for (int64_t l = 0; l < 8; ++l) h += lo[l] + hi[l];
+  for (int64_t j = full; j < n; ++j)
+    if (p[j] > 0.0f) h += static_cast<double>(p[j] * (m - x[j]));
+  return h - std::log(static_cast<double>(p_max));
+}
+
 int threads_for(int64_t tasks) {
   int t = cpu_threads();
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(t, tasks)));

@@ -2,8 +2,8 @@
 // the store of P replaced by the reductions:
 //   scores = scale * Q_blk K^T -> mask/causal -> softmax (P's rows, in cache only)
 //   row_entropy_i = -log P_i,max + sum_j P_ij (m_i - x_ij)   (x: the masked logits, m_i their
-//                   maximum; every term >= 0, so the fp64 sum has no cancellation; equal to
-//                   -sum P log P, with one logarithm a row)
+//                   maximum; every term >= 0, so the sum has no cancellation; equal to
+//                   -sum P log P, with one logarithm a row: entropy_row, rows.h)
 //   col_sum_j    += P_ij over the block's rows, in fp64
 //   rows: P's rows of the window asked for, stored as the forward stores P
 //   O_blk = P_blk V
@@ -88,17 +88,7 @@ void forward_stats(const core::Problem& p, const StatsOutputs& out) {
             if (nan_row) {
               h = kNaN;
             } else if (lse != -std::numeric_limits<float>::infinity()) {
-              // With m the row's largest logit and P_max = 1 / Σ exp(x - m) its probability:
-              // −Σ P log P = −log P_max + Σ_j P_j (m − x_j). Not from lse: next to a float mask's
-              // finfo.min, m + log Σ rounds back to m in fp32 and every lse − x_j would be 0.
-              float m = -std::numeric_limits<float>::infinity(), p_max = 0.0f;
-              for (int64_t j = 0; j < visible; ++j) {
-                m = std::max(m, logits[j]);
-                p_max = std::max(p_max, row[j]);
-              }
-              h = -std::log(static_cast<double>(p_max));
-              for (int64_t j = 0; j < visible; ++j)
-                if (row[j] > 0.0f) h += static_cast<double>(row[j]) * (static_cast<double>(m) - logits[j]);
+              h = entropy_row(row, logits.data(), visible);
             }
             core::store_from_double(ENT.dtype, out.row_entropy->data, core::lead_offset(p, ENT, lead) + i * ENT.row_stride, h);
           }
