@@ -131,10 +131,10 @@ constexpr int kThreads = 384;
 constexpr int kConsumerWarps = 8;
 constexpr int kProducerRegs = 40;
 constexpr int kConsumerRegs = 232;
-// Registers a thread gets at the launch (65536 / 384, rounded down to a multiple of 8): a
-// warpgroup's setmaxnreg increase is served from what another's decrease gave back, so a split
-// must fit kThreads * kLaunchRegs, not the SM's 65536.
-constexpr int kLaunchRegs = 168;
+// Registers a thread gets at the launch (the SM's 65536 over kThreads, rounded down to the
+// allocation's multiple of 8: 168): a warpgroup's setmaxnreg increase is served from what
+// another's decrease gave back, so a split must fit kThreads * kLaunchRegs, not 65536.
+constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
 static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= kThreads * kLaunchRegs, "register split over budget");
 
 template <int REGS>
