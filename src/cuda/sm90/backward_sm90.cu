@@ -265,8 +265,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int64_t i0 = qt * kBM;
     mbar_wait(&full[st], (use / C::kStages) & 1);
     // Row vectors of this thread's rows: delta; KL: lse·log2 e, g R f, g f.
-    const float* rv = sDelta + st * 3 * kBM + warp * 16 + g;
-    const float dl[2] = {rv[0], rv[8]};
+    // Shared memory through 32-bit shared-window addresses (LDS / STS): generic pointers compiled
+    // to generic loads and stores (LD.E / ST.E) with 64-bit address arithmetic (see the notes).
+    const uint32_t rv = smem_u32(sDelta + st * 3 * kBM + warp * 16 + g);
+    auto row_at = [&](int k) { return __uint_as_float(lds32(rv + 4 * k)); };
+    const float dl[2] = {row_at(0), row_at(8)};
     const T* sQ = stage_q(st);
     const T* sDO = stage_do(st);
     T* p_blk = stage_p(st) + cw * kBM * 64;
@@ -274,9 +277,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     T* ds_buf = sDS + (use & 1) * 2 * kBM * 64;  // both warpgroups' blocks of this step
     T* ds_blk = ds_buf + cw * kBM * 64;
 
-    // This thread's pairs of P and dP_ext (rows warp * 16 + g + 8r, keys 8n + 2t..) in the
-    // warpgroup's swizzled block, as TMA writes it.
-    auto swizzled = [&](int n, int r) { return swizzled_pair(warp * 16 + g + 8 * r, n, t); };
+    // This thread's pairs (rows warp * 16 + g + 8r, keys 8n + 2t..) in a warpgroup's swizzled
+    // [64][64] block, as TMA writes it: the row's chunk n ^ g (swizzled_pair), so from the pair's
+    // address in chunk 0 of the first row (`at`, with g's bits already XOR-ed in) one XOR on bits
+    // 4-6 and 1024 bytes a row group of 8 (the blocks are 1024-byte aligned).
+    const uint32_t at_in_blk = (warp * 16 + g) * 128 + (g << 4) + 4 * t;
+    auto pair = [&](uint32_t at, int n, int r) { return (at ^ (n << 4)) + r * 1024; };
+    const uint32_t p_at = smem_u32(p_blk) + at_in_blk, dp_at = smem_u32(dp_blk) + at_in_blk,
+                   ds_at = smem_u32(ds_blk) + at_in_blk;
     uint32_t p_raw[8][2], x_raw[8][2];
 
     // dP_w = dO V_wᵀ, then dV_w += P_wᵀ dO; dS needs only the first. The KL form's first product
@@ -295,11 +303,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_commit();
     }
     if (KL && !a.p_tma) {  // the reference's pairs from global memory (rows not 16-byte aligned) while S runs
-      const int64_t x_at = lead_off(p, p.grad_probs, lead);
+      const int64_t x_off = lead_off(p, p.grad_probs, lead);
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int64_t i = i0 + warp * 16 + g + 8 * r;
-        const T* x_row = reinterpret_cast<const T*>(p.grad_probs.data) + x_at + i * p.grad_probs.row;
+        const T* x_row = reinterpret_cast<const T*>(p.grad_probs.data) + x_off + i * p.grad_probs.row;
 #pragma unroll
         for (int n = 0; n < 8; ++n) {
           const int64_t j = j0 + cw * 64 + 8 * n + 2 * t;  // S is even: a pair is in or out whole
@@ -308,19 +316,19 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
     if (!KL && !a.p_tma) {  // P and dP_ext from global memory while dP runs; P into the stage for dV
-      const int64_t p_at = lead_off(p, p.probs, lead), x_at = a.has_dp ? lead_off(p, p.grad_probs, lead) : 0;
+      const int64_t p_off = lead_off(p, p.probs, lead), x_off = a.has_dp ? lead_off(p, p.grad_probs, lead) : 0;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int64_t i = i0 + warp * 16 + g + 8 * r;
-        const T* p_row = reinterpret_cast<const T*>(p.probs.data) + p_at + i * p.probs.row;
-        const T* x_row = reinterpret_cast<const T*>(p.grad_probs.data) + x_at + i * p.grad_probs.row;
+        const T* p_row = reinterpret_cast<const T*>(p.probs.data) + p_off + i * p.probs.row;
+        const T* x_row = reinterpret_cast<const T*>(p.grad_probs.data) + x_off + i * p.grad_probs.row;
 #pragma unroll
         for (int n = 0; n < 8; ++n) {
           const int64_t j = j0 + cw * 64 + 8 * n + 2 * t;  // S is even: a pair is in or out whole
           const bool in = i < p.L && j < p.S;
           p_raw[n][r] = in ? load32(p_row + j) : 0u;
           x_raw[n][r] = in && a.has_dp ? load32(x_row + j) : 0u;
-          *reinterpret_cast<uint32_t*>(p_blk + swizzled(n, r)) = p_raw[n][r];
+          sts32(pair(p_at, n, r), p_raw[n][r]);
         }
       }
       fence_proxy_async();
@@ -343,20 +351,21 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int i = 0; i < 32; ++i) dpv[i] = 0.0f;
     }
-    if (!KL && a.p_tma) {
+    if (a.p_tma) {  // the stage's pairs into registers here: one branch, not one an element below
 #pragma unroll
       for (int n = 0; n < 8; ++n)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          p_raw[n][r] = load32(p_blk + swizzled(n, r));
-          x_raw[n][r] = a.has_dp ? load32(dp_blk + swizzled(n, r)) : 0u;
+          if constexpr (!KL) p_raw[n][r] = lds32(pair(p_at, n, r));
+          x_raw[n][r] = KL || a.has_dp ? lds32(pair(dp_at, n, r)) : 0u;
         }
     }
 
     if constexpr (KL) {
       // dS_w = g R f · P − g f · r, P = exp2(S scale log2 e − lse log2 e) where the key exists and
       // causality shows it (rows past L: lse = +inf and g = 0, so 0).
-      const float lse2[2] = {rv[0], rv[8]}, gr[2] = {rv[kBM], rv[kBM + 8]}, gf[2] = {rv[2 * kBM], rv[2 * kBM + 8]};
+      const float lse2[2] = {row_at(0), row_at(8)}, gr[2] = {row_at(kBM), row_at(kBM + 8)},
+                  gf[2] = {row_at(2 * kBM), row_at(2 * kBM + 8)};
       // Keys this thread's rows see: the warpgroup's columns < seen[r] (past S and, causal, right
       // of the row's diagonal hidden), so an element costs one 32-bit compare, not two 64-bit ones.
       int seen[2];
@@ -371,13 +380,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int n = 0; n < 8; ++n)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const float2 ref = unpack2<T>(a.p_tma ? load32(dp_blk + swizzled(n, r)) : x_raw[n][r]);
+          const float2 ref = unpack2<T>(x_raw[n][r]);
           float pr[2];
 #pragma unroll
           for (int e = 0; e < 2; ++e)
-            pr[e] = 8 * n + 2 * t + e < seen[r] ? exp2f(fmaf(dpv[4 * n + 2 * r + e], scale_log2, -lse2[r])) : 0.0f;
-          *reinterpret_cast<uint32_t*>(ds_blk + swizzled(n, r)) =
-              pack2<T>(fmaf(gr[r], pr[0], -gf[r] * ref.x), fmaf(gr[r], pr[1], -gf[r] * ref.y));
+            pr[e] = 8 * n + 2 * t + e < seen[r] ? fast_exp2(fmaf(dpv[4 * n + 2 * r + e], scale_log2, -lse2[r])) : 0.0f;
+          sts32(pair(ds_at, n, r),
+                pack2<T>(fmaf(gr[r], pr[0], -gf[r] * ref.x), fmaf(gr[r], pr[1], -gf[r] * ref.y)));
         }
     } else {
       // dS_w = P ∘ (dP + dP_ext − delta) into shared memory in the same swizzled layout.
@@ -387,7 +396,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int r = 0; r < 2; ++r) {
           const float2 pv = unpack2<T>(p_raw[n][r]), ext = unpack2<T>(x_raw[n][r]);
           const float d0 = dpv[4 * n + 2 * r] + ext.x - dl[r], d1 = dpv[4 * n + 2 * r + 1] + ext.y - dl[r];
-          *reinterpret_cast<uint32_t*>(ds_blk + swizzled(n, r)) = pack2<T>(pv.x * d0, pv.y * d1);
+          sts32(pair(ds_at, n, r), pack2<T>(pv.x * d0, pv.y * d1));
         }
     }
     fence_proxy_async();  // the generic-proxy stores before the products' async-proxy reads

@@ -45,6 +45,11 @@ SDPA_MATH_D uint32_t lds32(uint32_t addr) {
   return v;
 }
 
+// A 32-bit shared-memory store at a shared-window address (STS; see lds32).
+SDPA_MATH_D void sts32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+
 // ---- mbarriers --------------------------------------------------------------------------------
 
 SDPA_MATH_D void mbar_init(uint64_t* bar, uint32_t count) {
