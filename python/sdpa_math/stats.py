@@ -6,7 +6,8 @@ that reduces P on chip or in cache and never writes it: on the CPU for every inp
 (src/cpu/stats.cpp, extra memory O(B·H·(L + S))), on CUDA where its Hopper kernel takes the
 inputs (src/cuda/sm90/forward_sm90.cu: fp16/bf16 as the Hopper forward takes them; extra memory
 4·B·H·⌈L/64⌉·S bytes for the column sums, at most 64 MiB at a time: a head that needs more
-goes to the chunks). Everything else runs sdpa_math.attention on chunks of query rows, reduces
+goes to the chunks). On CUDA, rows alone (fp16/bf16, no mask, no gradient) takes O from PyTorch's
+fused kernel and runs the operator on the window's query rows only (_rows_alone). Everything else runs sdpa_math.attention on chunks of query rows, reduces
 each chunk's P to the statistics asked for, and drops it. With gradients, each chunk runs under
 torch.utils.checkpoint (use_reentrant=False), so the graph keeps the chunk's inputs (views of
 the caller's tensors and two integers) instead of its P, and backward recomputes one chunk's P
@@ -428,6 +429,44 @@ def _o_and_lse(q, k, v, is_causal, scale, enable_gqa):
     return o, lse
 
 
+def _rows_alone_applies(q, k, v, m, is_causal, scale, enable_gqa, col_sum, row_entropy, head_mean, kl_to,
+                        tracked, count, S) -> bool:
+    """Whether `rows` alone takes _rows_alone: nothing else asked, no gradient, no mask, fp16/bf16
+    CUDA inputs that one of PyTorch's fused kernels takes (it gives O), at least one key, and a
+    window of at most a quarter of the query rows, or at most 4 query rows in all. The window's
+    cost grows with its rows, the statistics kernel's with all rows: tail100_d64's 64 of 100 rows
+    took 0.101 ms this way against the kernel's 0.065; every anchor with a window of 1/16 of the
+    rows or less ran faster, and decode (1 row, where the kernel fills one row of its 128-row
+    tiles) 0.565 -> 0.396 ms (run s24-v79)."""
+    L = q.shape[-2]
+    return (col_sum is None and not row_entropy and not head_mean and kl_to is None and m is None and not tracked
+            and 0 < count and (4 * count <= L or L <= 4) and S > 0 and q.dtype in (torch.float16, torch.bfloat16)
+            and _pytorch_fused_choice(q, k, v, is_causal, scale, enable_gqa) != 0)
+
+
+def _rows_alone(q, k, v, is_causal, scale, enable_gqa, win):
+    """(O, {"rows": P[..., rows, :]}) without sweeping P's other rows: O from PyTorch's fused kernel
+    (_o_and_lse; its rounding, not the operator's), and the window's rows as the softmax of their
+    fp32 logits (one product with fp32 results, a GQA group's rows stacked against their key
+    head; causal: -inf right of each row's diagonal), rounded to P's dtype: the operator's P there
+    to rounding. Each row of P depends on its own query only. The operator itself on the window's
+    rows took as long as the whole statistics kernel on long4k_d128_causal (a 64-row window: 32
+    CTAs of 64 rows sweeping 4096 keys twice, run s24-v78), where this costs about flash
+    attention's forward plus the window's product and softmax."""
+    start, stop, step = win
+    o, _ = _o_and_lse(q, k, v, is_causal, scale, enable_gqa)
+    B, Hq, _, E = q.shape
+    Hkv = k.shape[-3]
+    q_w = q[..., start:stop:step, :]
+    w = q_w.shape[-2]
+    grouped = q_w.reshape(B, Hkv, (Hq // Hkv) * w, E) if enable_gqa and Hq != Hkv else q_w
+    x = _logits_fp32(grouped, k, None, scale, False).view(B, Hq, w, k.shape[-2])
+    if is_causal:
+        i = torch.arange(start, stop, step, device=q.device)
+        x.masked_fill_(torch.arange(k.shape[-2], device=q.device) > i[:, None], float("-inf"))
+    return o, {"rows": torch.softmax(x, dim=-1).to(q.dtype)}
+
+
 # kl_forward's kernel takes 128 query rows a CTA and streams every key tile of K past them: with a
 # handful of rows (decode) that is K read once per few rows at a fraction of copy bandwidth (runs
 # v66, v69, decode_s2k_d128: 0.29-0.31 ms), where one thin product r K and kl_rows stream it once
@@ -570,7 +609,9 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     kl_to: a reference map broadcastable to P's shape -> (*lead, L),
         sum_j Pref log(Pref / P) (terms with Pref = 0 are 0; +inf where Pref > 0 and P = 0).
     chunk_rows: query rows per chunk; default: a chunk's P is at most 64 MiB.
-    method: "auto" (the fused operator where it applies, else chunks), "fused" (raises
+    method: "auto" (the fused operator where it applies, else chunks; rows alone on CUDA
+        fp16/bf16 without a mask or gradient: O from PyTorch's fused kernel and only the
+        window's rows computed, _rows_alone), "fused" (raises
         ValueError where it does not apply: a gradient wanted or head_mean asked for, CUDA
         inputs its kernel does not take, or kl_to other than alone on CUDA inputs the Hopper
         kernels take), "chunks" (always the chunked composition).
@@ -642,6 +683,12 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 and win is None)
     outs, cols, ents, kls, heads, picked = [], [], [], [], [], []
     first, count, step = (win[0], len(range(*win)), win[2]) if win is not None else (0, 0, 1)
+    # rows alone under auto, CUDA fp16/bf16, no mask, no gradient (_rows_alone_applies): O from
+    # PyTorch's fused kernel and the window from the operator run on the window's query rows.
+    if method == "auto" and win is not None and _rows_alone_applies(query, key, value, attn_mask, is_causal, scale,
+                                                                    enable_gqa, col_sum, row_entropy, head_mean,
+                                                                    kl_to, use_checkpoint, count, S):
+        return _rows_alone(query, key, value, is_causal, scale, enable_gqa, win)
     # The CPU operator takes every input; on CUDA, ask whether the Hopper kernel takes these.
     fused_applies = (not use_checkpoint and not head_mean and kl_to is None
                      and (col_sum is not None or row_entropy or win is not None) and method != "chunks"

@@ -254,3 +254,40 @@ def test_what_the_kernel_declines_goes_to_the_chunks_or_is_refused_by_name():
     _, P = sdpa_math.attention(qh, kh[:, :, :63], vh[:, :, :63])
     _, st = attention_stats(qh, kh[:, :, :63], vh[:, :, :63], rows=slice(-2, None))
     assert torch.equal(st["rows"], P[..., -2:, :])
+
+
+ROWS_ALONE_CASES = {  # B, Hq, Hkv, L, S, E, causal: inputs one of PyTorch's fused kernels takes
+    "causal_gqa": (2, 8, 2, 300, 300, 128, True),
+    "L_lt_S_d64": (1, 4, 4, 200, 334, 64, False),
+}
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("case", list(ROWS_ALONE_CASES))
+def test_rows_alone_runs_the_window_rows_only(case, dtype):
+    """rows alone under auto (no mask, no gradient): O from PyTorch's fused kernel, the window as
+    the softmax of its rows' fp32 logits. The window is the operator's P at those rows to the
+    dtype's rounding (torch.testing's default tolerance for it: a last-bit difference passes, a
+    wrong mask, row or head does not), and as close to float64 as the operator's P. O is PyTorch's:
+    equal to its scaled_dot_product_attention, and within rounding of the operator's."""
+    B, Hq, Hkv, L, S, E, causal = ROWS_ALONE_CASES[case]
+    gen = torch.Generator(device="cuda").manual_seed(L + S)
+    q, k, v = (torch.randn(B, h, n, E, generator=gen, device="cuda").to(dtype) for h, n in ((Hq, L), (Hkv, S), (Hkv, S)))
+    kw = dict(is_causal=causal, enable_gqa=Hq != Hkv)
+    O, P = sdpa_math.attention(q, k, v, **kw)
+    _, P64, _ = reference(q, k, v, None, causal, E ** -0.5, kw["enable_gqa"])
+    for win in (slice(-48, None), slice(3, 190, 37), slice(-2, None)):  # at most a quarter of the rows
+        (out, st), names = cuda_kernels(lambda: attention_stats(q, k, v, rows=win, **kw))
+        assert any("cudnn" in n or "flash" in n or "fmha" in n for n in names), names  # PyTorch's kernel gave O
+        assert st["rows"].shape == P[..., win, :].shape and st["rows"].dtype == P.dtype
+        torch.testing.assert_close(st["rows"], P[..., win, :])
+        want = P64[..., win, :]
+        assert rel_err(st["rows"], want) <= 1.05 * rel_err(P[..., win, :], want), win
+        torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, **kw))
+        torch.testing.assert_close(out, O, rtol=1e-2, atol=2e-3)
+    # more than a quarter of the rows, or another statistic asked with them: the statistics
+    # kernel, whose window is P's bits
+    for win, more in ((slice(-L // 4 - 1, None), {}), (slice(-48, None), dict(row_entropy=True))):
+        (_, st), names = cuda_kernels(lambda: attention_stats(q, k, v, rows=win, **more, **kw))
+        assert not any("cudnn" in n or "flash" in n or "fmha" in n for n in names), names
+        assert torch.equal(st["rows"], P[..., win, :]), win
