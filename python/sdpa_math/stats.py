@@ -437,7 +437,7 @@ def _rows_alone_applies(q, k, v, m, is_causal, scale, enable_gqa, col_sum, row_e
     cost grows with its rows, the statistics kernel's with all rows: tail100_d64's 64 of 100 rows
     took 0.101 ms this way against the kernel's 0.065; every anchor with a window of 1/16 of the
     rows or less ran faster, and decode (1 row, where the kernel fills one row of its 128-row
-    tiles) 0.565 -> 0.396 ms (run s24-v79)."""
+    tiles) 0.565 -> 0.396 ms (run s24-v79; 0.401 in v81)."""
     L = q.shape[-2]
     return (col_sum is None and not row_entropy and not head_mean and kl_to is None and m is None and not tracked
             and 0 < count and (4 * count <= L or L <= 4) and S > 0 and q.dtype in (torch.float16, torch.bfloat16)
@@ -450,20 +450,22 @@ def _rows_alone(q, k, v, is_causal, scale, enable_gqa, win):
     fp32 logits (one product with fp32 results, a GQA group's rows stacked against their key
     head; causal: -inf right of each row's diagonal), rounded to P's dtype: the operator's P there
     to rounding. Each row of P depends on its own query only. The operator itself on the window's
-    rows took as long as the whole statistics kernel on long4k_d128_causal (a 64-row window: 32
-    CTAs of 64 rows sweeping 4096 keys twice, run s24-v78), where this costs about flash
-    attention's forward plus the window's product and softmax."""
+    rows was no faster than the statistics kernel over all rows on causal shapes (a 64-row window
+    on long4k_d128_causal: 32 CTAs of 64 rows sweeping 4096 keys twice, run s24-v78); this way
+    long4k's window costs PyTorch's forward (0.26 ms) plus ~0.075 ms of product, scale, softmax and
+    cast (run s24-v81)."""
     start, stop, step = win
     o, _ = _o_and_lse(q, k, v, is_causal, scale, enable_gqa)
     B, Hq, _, E = q.shape
     Hkv = k.shape[-3]
     q_w = q[..., start:stop:step, :]
     w = q_w.shape[-2]
+    S = k.shape[-2]
     grouped = q_w.reshape(B, Hkv, (Hq // Hkv) * w, E) if enable_gqa and Hq != Hkv else q_w
-    x = _logits_fp32(grouped, k, None, scale, False).view(B, Hq, w, k.shape[-2])
-    if is_causal:
+    x = _logits_fp32(grouped, k, None, scale, False).view(B, Hq, w, S)
+    if is_causal and start + 1 < S:  # only keys right of the window's first row can be hidden
         i = torch.arange(start, stop, step, device=q.device)
-        x.masked_fill_(torch.arange(k.shape[-2], device=q.device) > i[:, None], float("-inf"))
+        x[..., start + 1:].masked_fill_(torch.arange(start + 1, S, device=q.device) > i[:, None], float("-inf"))
     return o, {"rows": torch.softmax(x, dim=-1).to(q.dtype)}
 
 
