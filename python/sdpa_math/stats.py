@@ -6,9 +6,10 @@ that reduces P on chip or in cache and never writes it: on the CPU for every inp
 (src/cpu/stats.cpp, extra memory O(B·H·(L + S))), on CUDA where its Hopper kernel takes the
 inputs (src/cuda/sm90/forward_sm90.cu: fp16/bf16 as the Hopper forward takes them; extra memory
 4·B·H·⌈L/64⌉·S bytes for the column sums, at most 64 MiB at a time: a head that needs more
-goes to the chunks). On CUDA, rows alone (fp16/bf16, no mask, no gradient) takes O from PyTorch's
-fused kernel and runs the operator on the window's query rows only (_rows_alone). Everything else runs sdpa_math.attention on chunks of query rows, reduces
-each chunk's P to the statistics asked for, and drops it. With gradients, each chunk runs under
+goes to the chunks). On CUDA, rows alone (fp16/bf16, no mask, no gradient, a window of at most a
+quarter of the rows) takes O from PyTorch's fused kernel and forms only the window's rows, as the
+softmax of their fp32 logits (_rows_alone). Everything else runs sdpa_math.attention on chunks of
+query rows, reduces each chunk's P to the statistics asked for, and drops it. With gradients, each chunk runs under
 torch.utils.checkpoint (use_reentrant=False), so the graph keeps the chunk's inputs (views of
 the caller's tensors and two integers) instead of its P, and backward recomputes one chunk's P
 at a time: peak memory is O(chunk_rows * S) per head, and nothing P-sized outlives the forward.
@@ -686,7 +687,7 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     outs, cols, ents, kls, heads, picked = [], [], [], [], [], []
     first, count, step = (win[0], len(range(*win)), win[2]) if win is not None else (0, 0, 1)
     # rows alone under auto, CUDA fp16/bf16, no mask, no gradient (_rows_alone_applies): O from
-    # PyTorch's fused kernel and the window from the operator run on the window's query rows.
+    # PyTorch's fused kernel and the window's rows from their own logits.
     if method == "auto" and win is not None and _rows_alone_applies(query, key, value, attn_mask, is_causal, scale,
                                                                     enable_gqa, col_sum, row_entropy, head_mean,
                                                                     kl_to, use_checkpoint, count, S):
