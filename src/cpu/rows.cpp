@@ -296,13 +296,12 @@ double entropy_row(const float* p, const float* x, int64_t n) {
     p_max = std::max(p_max, p[j]);
   }
   typedef double f64x8 __attribute__((vector_size(64)));
-  typedef float f32x8h __attribute__((vector_size(32)));
   f64x8 lo = f64x8{}, hi = f64x8{};
   const f32x16 zero = f32x16{};
   for (int64_t j = 0; j < full; j += kLanes) {
     const f32x16 pj = load(p + j);
     const f32x16 t = pj > zero ? pj * (m - load(x + j)) : zero;
-    f32x8h t_lo, t_hi;
+    f32x8 t_lo, t_hi;
     std::memcpy(&t_lo, &t, sizeof(t_lo));
     std::memcpy(&t_hi, reinterpret_cast<const char*>(&t) + sizeof(t_lo), sizeof(t_hi));
     lo += __builtin_convertvector(t_lo, f64x8);

@@ -278,11 +278,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     T* ds_blk = ds_buf + cw * kBM * 64;
 
     // This thread's pairs (rows warp * 16 + g + 8r, keys 8n + 2t..) in a warpgroup's swizzled
-    // [64][64] block, as TMA writes it: the row's chunk n ^ g (swizzled_pair), so from the pair's
-    // address in chunk 0 of the first row (`at`, with g's bits already XOR-ed in) one XOR on bits
-    // 4-6 and 1024 bytes a row group of 8 (the blocks are 1024-byte aligned).
-    const uint32_t at_in_blk = (warp * 16 + g) * 128 + (g << 4) + 4 * t;
-    auto pair = [&](uint32_t at, int n, int r) { return (at ^ (n << 4)) + r * 1024; };
+    // [64][64] block, as TMA writes it (swizzled_row_at; the blocks are 1024-byte aligned).
+    const uint32_t at_in_blk = swizzled_row_at(warp * 16 + g, t);
+    auto pair = [&](uint32_t at, int n, int r) { return swizzled_chunk(at, n) + r * 1024; };
     const uint32_t p_at = smem_u32(p_blk) + at_in_blk, dp_at = smem_u32(dp_blk) + at_in_blk,
                    ds_at = smem_u32(ds_blk) + at_in_blk;
     uint32_t p_raw[8][2], x_raw[8][2];

@@ -23,10 +23,14 @@ namespace sdpa_math::cuda::sm90 {
 
 SDPA_MATH_D uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 
-// The element offset of a thread's pair (row r, 16-bit columns 8n + 2t and 8n + 2t + 1, n < 8)
-// in a [rows][64] column block stored with the 128-byte swizzle (as TMA writes and reads it):
-// 16-byte chunk n ^ (r % 8) of row r.
-SDPA_MATH_D int swizzled_pair(int r, int n, int t) { return r * 64 + ((n ^ (r & 7)) * 8) + 2 * t; }
+// A [rows][64] block of 16-bit values stored with the 128-byte swizzle (as TMA writes and reads
+// it) holds 16-byte chunk n of row r at chunk n ^ (r % 8). A thread's pair (row r, columns
+// 8n + 2t and 8n + 2t + 1) is swizzled_chunk(at, n) bytes into the block, where at =
+// swizzled_row_at(r, t) carries r % 8 in bits 4-6: one XOR a chunk. Rows r + 8k are k * 1024
+// bytes further, and a base address may be added to `at` first, as long as the block starts on
+// a 1024-byte boundary (bits 4-6 of the base are then 0).
+SDPA_MATH_D uint32_t swizzled_row_at(int r, int t) { return r * 128 + ((r & 7) << 4) + 4 * t; }
+SDPA_MATH_D uint32_t swizzled_chunk(uint32_t at, int n) { return at ^ (n << 4); }
 
 // Four 8 x 8 matrices of 16-bit elements to shared memory from the mma fragment layout: register
 // i of a thread holds its pair of matrix i (row lane / 4, columns 2 (lane % 4) and + 1), and

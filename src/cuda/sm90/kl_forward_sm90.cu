@@ -87,10 +87,8 @@ enum class Keys { All, Diagonal, Hidden };
 // instructions an element on the tiles every row sees (v69's fold, with a select per element
 // everywhere and a min and a max for the log's domain, took about fifteen: v70 is 11 % faster).
 // `at` is this thread's byte address of pair (row warp*16 + g, 16-byte chunk 0 of block 0) in
-// the warpgroup's swizzled tile, so chunk n of its row is at at ^ (n << 4) (the row's chunks are
-// XOR-permuted by row % 8 = g, which `at` already holds in bits 4-6).
-// The byte-address XOR above is swizzled_pair (hopper.cuh) only while every tile starts on a
-// 1024-byte boundary.
+// the warpgroup's swizzled tile (swizzled_row_at, hopper.cuh), so chunk n of its row is at
+// swizzled_chunk(at, n). That holds only while every tile starts on a 1024-byte boundary.
 static_assert(Tiles<64>::kQBytes % 1024 == 0 && Tiles<64>::kStageBytes % 1024 == 0 && Tiles<64>::kKBytes % 1024 == 0 &&
                   Tiles<128>::kQBytes % 1024 == 0 && Tiles<128>::kStageBytes % 1024 == 0 &&
                   Tiles<128>::kKBytes % 1024 == 0 && (kRows * 128) % 1024 == 0,
@@ -104,7 +102,7 @@ SDPA_MATH_D void fold_tile(uint32_t at, const float (&s)[64], const int (&seen)[
   for (int n = 0; n < kBN / 8; ++n)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const uint32_t addr = (at ^ ((n % 8) << 4)) + (n / 8) * (kRows * 128) + r * (8 * 128);
+      const uint32_t addr = swizzled_chunk(at, n % 8) + (n / 8) * (kRows * 128) + r * (8 * 128);
       const float2 x2 = unpack2<T>(lds32(addr));
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
@@ -198,7 +196,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t iw = i0 + cw * 64;  // the warpgroup's first row
   const int64_t w_last = iw + 63 < p.L - 1 ? iw + 63 : p.L - 1;
   const T* q_rows = sQ + cw * 64 * 64;
-  const uint32_t at_in_tile = cw * 64 * 128 + (warp * 16 + g) * 128 + (g << 4) + 4 * t;
+  const uint32_t at_in_tile = cw * 64 * 128 + swizzled_row_at(warp * 16 + g, t);
   RowSums acc;
   mbar_wait(q_full, 0);
 
