@@ -25,12 +25,30 @@
 #include "hopper.cuh"
 #include "sm90.cuh"
 #include "tensor_maps.cuh"
+#include "trace.cuh"
 
 namespace sdpa_math::cuda::sm90 {
 namespace {
 
 constexpr int kBM = 128;              // query rows per CTA
 constexpr int kBN = 128;              // keys per tile
+
+// The timeline of trace.cuh: FWD_TRACE(statement) is the statement in a trace build
+// (SDPA_MATH_FWD_TRACE) and in the forward proper (not the statistics kernel), else nothing;
+// FWD_STAMP(code) stamps a step.
+#ifdef SDPA_MATH_FWD_TRACE
+#define FWD_TRACE(...)          \
+  do {                          \
+    if constexpr (!STATS) {     \
+      __VA_ARGS__;              \
+    }                           \
+  } while (0)
+#else
+#define FWD_TRACE(...) \
+  do {                 \
+  } while (0)
+#endif
+#define FWD_STAMP(code) FWD_TRACE(if (trace_leader) trace::stamp(trace_role, trace_slot, code))
 
 // Shared memory: Q; a ring of K tiles (both passes) and one of V tiles (pass 2), each stage with a
 // `full` and an `empty` mbarrier; each consumer warpgroup's 64 x kBN tile of P on its way out.
@@ -225,6 +243,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_barrier_init();
   }
   __syncthreads();
+#ifdef SDPA_MATH_FWD_TRACE
+  const bool trace_leader = threadIdx.x % 128 == 0;
+  const int trace_role = threadIdx.x / 128;
+  int trace_slot = 0;
+  bool trace_pass2 = false;  // which pass the products being stamped belong to
+  if constexpr (!STATS) {
+    if (threadIdx.x == 0) trace::cta_info(1);
+  }
+#endif
 
   const int wg = threadIdx.x / 128;
   if (wg == 0) {  // producer
@@ -248,6 +275,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                          int& use, int nt, const int (&c)[3]) {
         const int st = use % stages;
         mbar_wait(&empty_bars[st], ((use++ / stages) & 1) ^ 1);
+        FWD_STAMP(ring == sK ? trace::kProdK : trace::kProdV);
         mbar_arrive_expect_tx(&full_bars[st], C::kKVBytes);
 #pragma unroll
         for (int b = 0; b < C::kBlocks; ++b)
@@ -342,6 +370,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const T* k_tile = sK + stage * kBN * D;
     fence_regs(s);
     turn_begin();
+    FWD_STAMP(trace_pass2 ? trace::kP2Turn : trace::kP1Turn);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
@@ -354,6 +383,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     load_mask(j0);
     wgmma_wait<0>();
     fence_regs(s);
+    FWD_STAMP(trace_pass2 ? trace::kP2Done : trace::kP1Done);
   };
   // Scores to logits in place: scaled, masked, -inf where hidden (past S, causal, a false mask
   // entry, a padding row). `clean` tiles skip the index checks (rows past L then get finite
@@ -391,13 +421,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
 
   mbar_wait(q_full, 0);
+  FWD_STAMP(trace::kStart);
 
   // Pass 1: the running max (common to the quad sharing a row) and per-thread partial sums.
   float m[2] = {kNegInf, kNegInf}, l[2] = {0.0f, 0.0f};
   int kt = 0;  // uses of the K ring so far (its stage and phase)
   for (int nt = 0; nt < (one_pass ? 0 : n_tiles); ++nt, ++kt) {
     const int stage = kt % C::kKStages;
+    FWD_STAMP(trace::kP1Top);
     mbar_wait(&k_full[stage], (kt / C::kKStages) & 1);
+    FWD_STAMP(trace::kP1KFull);
     float s[kBN / 2];
     const int64_t j0 = static_cast<int64_t>(nt) * kBN;
     scores(s, stage, j0);
@@ -455,7 +488,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
   for (int nt = 0; nt < n_tiles; ++nt, ++kt) {
     const int stage = kt % C::kKStages, v_stage = nt % C::kVStages;
+    FWD_TRACE(trace_pass2 = true);
+    FWD_STAMP(trace::kP2Top);
     mbar_wait(&k_full[stage], (kt / C::kKStages) & 1);
+    FWD_STAMP(trace::kP2KFull);
     float s[kBN / 2];
     const int64_t j0 = static_cast<int64_t>(nt) * kBN;
     scores(s, stage, j0);
@@ -553,12 +589,15 @@ __global__ void __launch_bounds__(kThreads, 1)
         bulk_commit();
       }
     }
+    FWD_STAMP(trace::kP2Written);
     mbar_wait(&v_full[v_stage], (nt / C::kVStages) & 1);
+    FWD_STAMP(trace::kP2VFull);
     const T* v_tile = sV + v_stage * kBN * D;
     fence_regs(o);  // u and O are written before the fence, read by the products after it
 #pragma unroll
     for (int kk = 0; kk < kBN / 16; ++kk) fence_regs(u_frag[kk]);
     turn_begin();
+    FWD_STAMP(trace::kP2PvTurn);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBN / 16; ++kk)
@@ -567,6 +606,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     turn_end();
     wgmma_wait<0>();
     fence_regs(o);
+    FWD_STAMP(trace::kP2PvDone);
     // The column sums once u's registers are free (the other warpgroup's products run meanwhile):
     // during the product they would push the kernel past its registers.
     if constexpr (STATS) {
@@ -591,6 +631,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
 
+  FWD_STAMP(trace::kEnd);
+#ifdef SDPA_MATH_FWD_TRACE
+  if constexpr (!STATS) {
+    if (threadIdx.x == 128) trace::cta_info(2);
+  }
+#endif
   const int64_t z0 = static_cast<int64_t>(n_tiles) * kBN;
   if constexpr (STATS) {
     // Entropy log l + Σ P (m − x) in natural units (unmasked problems count x and m in base 2);
@@ -666,8 +712,14 @@ void launch(const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& v, co
   const unsigned grid = grid_x(blocks, what);
   const auto kernel = &forward_sm90<T, D, MASK, STATS>;
   set_smem_limit(reinterpret_cast<const void*>(kernel), Tiles<D>::kSmem);
+#ifdef SDPA_MATH_FWD_TRACE
+  if (!STATS) trace::clear(stream);
+#endif
   kernel<<<grid, kThreads, Tiles<D>::kSmem, stream>>>(q, k, v, pm, p, a, st, tiles);
   check_launch(what);
+#ifdef SDPA_MATH_FWD_TRACE
+  if (!STATS) trace::write(stream, grid);
+#endif
 }
 
 template <typename T, int D, bool STATS>
