@@ -27,7 +27,8 @@ constexpr int kSlots = 640;  // stamps per role and CTA (a 32-tile row block tak
 
 // Step codes. Producer: a K or V stage acquired (its empty barrier passed), just before its loads.
 // Consumers, per tile of pass 1 (1x) and pass 2 (2x): loop top, K stage full, product turn
-// acquired, product done, (pass 2:) P written, V stage full, P·V turn acquired, P·V done.
+// acquired, product done, (pass 2:) P's buffer free, P staged, P's store issued, V stage full,
+// P·V turn acquired, P·V done.
 enum Code : uint8_t {
   kProdK = 1, kProdV = 2,
   kStart = 10,  // Q has arrived
@@ -35,6 +36,8 @@ enum Code : uint8_t {
   kP2Top = 21, kP2KFull = 22, kP2Turn = 23, kP2Done = 24, kP2Written = 25, kP2VFull = 26, kP2PvTurn = 27,
   kP2PvDone = 28,
   kEnd = 30,  // O stored
+  kP2PFree = 31,    // pass 2: the P tile's shared memory free again (the last TMA store has read it)
+  kP2PStaged = 32,  // pass 2: P's stmatrix stores issued
 };
 
 #ifdef SDPA_MATH_FWD_TRACE
