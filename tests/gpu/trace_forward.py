@@ -19,8 +19,8 @@ import tempfile
 
 import numpy as np
 
-# trace.cuh's step codes
-K_PROD, V_PROD, START, END = 1, 2, 10, 30
+# trace.cuh's step codes (the producer's, 1 and 2, are not tabled here)
+START, END = 10, 30
 P1 = {"top": 11, "kfull": 12, "turn": 13, "done": 14}
 P2 = {"top": 21, "kfull": 22, "turn": 23, "done": 24, "written": 25, "vfull": 26, "pvturn": 27, "pvdone": 28,
       "pfree": 31, "staged": 32}
@@ -159,8 +159,8 @@ def main():
     steps1 = {"k wait": ("top", "kfull"), "turn wait": ("kfull", "turn"), "product": ("turn", "done")}
     steps2 = {"k wait": ("top", "kfull"), "turn wait": ("kfull", "turn"), "QK product": ("turn", "done"),
               "softmax + P": ("done", "written"), "  to P's buffer free": ("done", "pfree"),
-              "  P staged": ("pfree", "staged"), "  P's store issued": ("staged", "written"), "v wait": ("written", "vfull"), "PV turn wait": ("vfull", "pvturn"),
-              "PV product": ("pvturn", "pvdone")}
+              "  P staged": ("pfree", "staged"), "  P's store issued": ("staged", "written"),
+              "v wait": ("written", "vfull"), "PV turn wait": ("vfull", "pvturn"), "PV product": ("pvturn", "pvdone")}
     acc1 = {k: [] for k in list(steps1) + ["softmax (to next top)", "tile"]}
     acc2 = {k: [] for k in list(steps2) + ["after PV (to next top)", "tile"]}
     cta_cycles, cta_ns, p1_total, p2_total = [], [], [], []
@@ -181,7 +181,7 @@ def main():
                 for i in range(1, len(tiles) - 1):  # middle tiles: no pipeline fill or drain
                     t = tiles[i]
                     for name, (a, b) in steps.items():
-                        if a in t and b in t:  # the pipelined pass 2 stamps fewer steps
+                        if a in t and b in t:  # a kernel variant may stamp fewer steps
                             acc[name].append(t[b] - t[a])
                     last = "done" if steps is steps1 else "pvdone"
                     if last in t:
@@ -198,8 +198,7 @@ def main():
         for name, xs in acc.items():
             q = np.percentile(xs, [10, 50, 90]) if xs else [float("nan")] * 3
             print(f"    {name:24s} p10 {q[0]:7.0f}  median {q[1]:7.0f}  p90 {q[2]:7.0f}")
-    # Producer: how far ahead of the consumers each K stage was acquired.
-    sms = {}
+    sms = {}  # the CTAs each SM ran
     for c in range(n):
         sms.setdefault(int(info[c, 0]), []).append(c)
     per_sm = [len(v) for v in sms.values()]

@@ -5,7 +5,7 @@
 // thread of each consumer warpgroup, a stamp per step: clock64() (the SM's own cycle counter) in
 // the low 56 bits and the step's code in the top 8. The launch then waits for the kernel, copies the
 // stamps back and writes them to the file named by SDPA_MATH_TRACE_FILE (overwritten by each
-// launch, so the file holds the last one). bench/trace_forward.py runs a shape and reads the file.
+// launch, so the file holds the last one). tests/gpu/trace_forward.py runs a shape and reads the file.
 //
 // Included by forward_sm90.cu only: the buffer is that translation unit's.
 #pragma once
