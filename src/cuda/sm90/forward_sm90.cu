@@ -201,6 +201,12 @@ __global__ void __launch_bounds__(kThreads, 1)
                  const Args a, const StatsArgs st, const int64_t tiles) {
   using C = Tiles<D, STATS>;
   constexpr bool kMasked = MASK != MaskKind::None;
+  // Pass 2 with the warpgroup's own products overlapped (see the loop), in the unmasked head-128
+  // forward: prefill1k_d128 -2.5 %, gqa1k_d128 -4 % (run s26-v93). Head 64 lost 1-2 % with it and
+  // keeps one product per turn; so do the statistics kernel (its column sums hold u's registers
+  // longer) and the masked kernels (with the mask's pairs live as well they spill: fp32 mask,
+  // head 128, 940 bytes).
+  constexpr bool kOverlap = !STATS && !kMasked && D == 128;
   // Logits in natural units only where a mask value can be near a float's lowest: a row held at
   // finfo.min would overflow fp32 in base 2. A bool mask adds 0 or -inf, which base 2 takes as is.
   constexpr bool kNatural = MASK == MaskKind::Same || MASK == MaskKind::Float32;
@@ -345,8 +351,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   const bool fold = !kMasked && a.fold;
   // Ping-pong: the two warpgroups take turns to issue their products (named barriers 3 and 4), so
   // one's softmax runs while the other's products occupy the tensor cores instead of both
-  // drifting into lockstep on the same tiles. Warpgroup 0 goes first; both take 3 turns a tile.
-  const int turns = (one_pass ? 2 : 3) * n_tiles;
+  // drifting into lockstep on the same tiles. Warpgroup 0 goes first. Turns a CTA takes: pass 1
+  // one a tile; pass 2 two a tile (S, then u V), or with kOverlap one a tile (S of this tile and
+  // u V of the last) plus one for the last tile's u V.
+  const int turns = kOverlap ? (n_tiles > 0 ? 2 * n_tiles + 1 : 0) : (one_pass ? 2 : 3) * n_tiles;
   int turn = 0;
   auto turn_begin = [&] { named_barrier(3 + cw, 256); };
   auto turn_end = [&] {
@@ -375,11 +383,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   // S = Q Kᵀ for this warpgroup's rows and the stage's keys (raw dot products), in its turn; the
   // mask's values for the tile at j0 arrive meanwhile.
-  auto scores = [&](float (&s)[kBN / 2], int stage, int64_t j0) {
-    const T* k_tile = sK + stage * kBN * D;
-    fence_regs(s);
-    turn_begin();
-    FWD_STAMP(trace_pass2 ? trace::kP2Turn : trace::kP1Turn);
+  // S = Q Kᵀ of the stage's keys into s: issued and committed, not waited for (inside a turn).
+  auto issue_scores = [&](float (&s)[kBN / 2], const T* k_tile) {
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
@@ -388,6 +393,12 @@ __global__ void __launch_bounds__(kThreads, 1)
                                     desc_sw128(k_tile + b * kBN * 64 + off, 16, 1024), kk > 0);
     }
     wgmma_commit();
+  };
+  auto scores = [&](float (&s)[kBN / 2], int stage, int64_t j0) {
+    fence_regs(s);
+    turn_begin();
+    FWD_STAMP(trace_pass2 ? trace::kP2Turn : trace::kP1Turn);
+    issue_scores(s, sK + stage * kBN * D);
     turn_end();
     load_mask(j0);
     wgmma_wait<0>();
@@ -495,6 +506,151 @@ __global__ void __launch_bounds__(kThreads, 1)
   float o[D / 2];
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
+  if constexpr (kOverlap) {
+    // Pass 2 in FlashAttention 3's order: one turn a tile issues S of tile n and then u V of tile
+    // n - 1, and the warpgroup waits only for the first (wait_group 1: groups complete in order),
+    // so tile n's softmax and P run while u V of tile n - 1 is still on the tensor cores. Pass 2
+    // never rescales O, so the softmax writes nothing that product reads; u's fragments it does
+    // read, and tile n's are packed only after it has been waited for. Tile 0's S takes a turn
+    // of its own, and so does the last tile's u V.
+    uint32_t u_frag[kBN / 16][4];
+    fence_regs(o);  // O's zeros stay above the first product (else ptxas serialises them: C7515)
+    FWD_TRACE(trace_pass2 = true);
+    // Tile nt's S has been waited for: its K stage back, u = exp(x - m) in place of s, P = u / l
+    // out, and (after u V of the last tile is waited for) u into the A fragments.
+    auto softmax_and_p = [&](float (&s)[kBN / 2], int nt) {
+      const int64_t j0 = static_cast<int64_t>(nt) * kBN;
+      if (lane == 0) mbar_arrive(&k_empty[kt % C::kKStages]);
+      const bool clean = tile_is_clean(j0), raw = fold && clean;
+      if (!raw) to_logits(s, j0, clean);
+      const float mul = raw ? scale : 1.0f;
+      const int keys = static_cast<int>(p.S - j0 < kBN ? p.S - j0 : kBN);
+      const int p_buf = nt % C::kPBuffers;
+      if (a.p_tma) {
+        if (p_leader) bulk_wait_read<C::kPBuffers - 1>();
+        named_barrier(p_bar, 128);
+        FWD_STAMP(trace::kP2PFree);
+#pragma unroll
+        for (int n2 = 0; n2 < kBN / 16; ++n2) {
+          uint32_t pr[4];
+#pragma unroll
+          for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              const int n = 2 * n2 + nb;
+              const float u0 = exp_from<kNatural>(s[4 * n + 2 * r], mul, m[r]);
+              const float u1 = exp_from<kNatural>(s[4 * n + 2 * r + 1], mul, m[r]);
+              s[4 * n + 2 * r] = u0;
+              s[4 * n + 2 * r + 1] = u1;
+              pr[nb * 2 + r] = pack2<T>(u0 * inv_l[r], u1 * inv_l[r]);
+            }
+          stmatrix_x4(p_addr[n2 % 4] + (p_buf * (kBN / 64) + n2 / 4) * 64 * 64 * 2, pr[0], pr[1], pr[2], pr[3]);
+        }
+        FWD_STAMP(trace::kP2PStaged);
+        fence_proxy_async();
+        named_barrier(p_bar, 128);
+        if (p_leader) {
+#pragma unroll
+          for (int b = 0; b < kBN / 64; ++b)
+            tma_store_5d(&tm_p, p_tile + (p_buf * (kBN / 64) + b) * 64 * 64, static_cast<int>(j0) + b * 64,
+                         static_cast<int>(i0) + cw * 64, cp[0], cp[1], cp[2]);
+          bulk_commit();
+        }
+      } else {
+#pragma unroll
+        for (int n = 0; n < kBN / 8; ++n)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const float u0 = exp_from<kNatural>(s[4 * n + 2 * r], mul, m[r]);
+            const float u1 = exp_from<kNatural>(s[4 * n + 2 * r + 1], mul, m[r]);
+            s[4 * n + 2 * r] = u0;
+            s[4 * n + 2 * r + 1] = u1;
+            const int jj = n * 8 + 2 * t;  // S is even (forward_applies): pairs never straddle the end
+            if (row_ok[r] && (clean || jj < keys))
+              *reinterpret_cast<uint32_t*>(p_row[r] + j0 + jj) = pack2<T>(u0 * inv_l[r], u1 * inv_l[r]);
+          }
+      }
+      FWD_STAMP(trace::kP2Written);
+    };
+    // A fragment of k-step n2: {row g, keys 2t..} {row g+8, 2t..} {g, 2t+8..} {g+8, 2t+8..}.
+    auto pack_u = [&](const float (&s)[kBN / 2]) {
+#pragma unroll
+      for (int n2 = 0; n2 < kBN / 16; ++n2)
+#pragma unroll
+        for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int n = 2 * n2 + nb;
+            u_frag[n2][nb * 2 + r] = pack2<T>(s[4 * n + 2 * r], s[4 * n + 2 * r + 1]);
+          }
+    };
+    // u V of tile nt - 1 (its V stage waited for, u and O fenced), issued after what the turn
+    // has issued already.
+    auto issue_pv = [&](int nt) {
+      const T* v_tile = sV + ((nt - 1) % C::kVStages) * kBN * D;
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBN / 16; ++kk)
+        Wgmma<T, D>::template rs<1>(o, u_frag[kk], desc_sw128(v_tile + kk * 16 * 64, kBN * 128, 1024), 1);
+      wgmma_commit();
+    };
+    auto fence_pv_operands = [&] {
+      fence_regs(o);
+#pragma unroll
+      for (int kk = 0; kk < kBN / 16; ++kk) fence_regs(u_frag[kk]);
+    };
+    if (n_tiles > 0) {  // tile 0: S alone
+      float s[kBN / 2];
+      FWD_STAMP(trace::kP2Top);
+      mbar_wait(&k_full[kt % C::kKStages], (kt / C::kKStages) & 1);
+      fence_regs(s);
+      turn_begin();
+      FWD_STAMP(trace::kP2Turn);
+      issue_scores(s, sK + (kt % C::kKStages) * kBN * D);
+      turn_end();
+      load_mask(0);
+      wgmma_wait<0>();
+      fence_regs(s);
+      FWD_STAMP(trace::kP2Done);
+      softmax_and_p(s, 0);
+      pack_u(s);
+      ++kt;
+    }
+    for (int nt = 1; nt < n_tiles; ++nt, ++kt) {
+      float s[kBN / 2];
+      FWD_STAMP(trace::kP2Top);
+      mbar_wait(&k_full[kt % C::kKStages], (kt / C::kKStages) & 1);
+      mbar_wait(&v_full[(nt - 1) % C::kVStages], ((nt - 1) / C::kVStages) & 1);
+      FWD_STAMP(trace::kP2VFull);
+      fence_pv_operands();
+      fence_regs(s);
+      turn_begin();
+      FWD_STAMP(trace::kP2Turn);
+      issue_scores(s, sK + (kt % C::kKStages) * kBN * D);
+      issue_pv(nt);
+      turn_end();
+      load_mask(static_cast<int64_t>(nt) * kBN);
+      wgmma_wait<1>();  // S of this tile; u V of the last may still run
+      fence_regs(s);
+      FWD_STAMP(trace::kP2Done);
+      softmax_and_p(s, nt);
+      wgmma_wait<0>();
+      fence_pv_operands();
+      FWD_STAMP(trace::kP2PvDone);
+      if (lane == 0) mbar_arrive(&v_empty[(nt - 1) % C::kVStages]);
+      pack_u(s);
+    }
+    if (n_tiles > 0) {  // the last tile's u V alone
+      mbar_wait(&v_full[(n_tiles - 1) % C::kVStages], ((n_tiles - 1) / C::kVStages) & 1);
+      fence_pv_operands();
+      turn_begin();
+      issue_pv(n_tiles);
+      turn_end();
+      wgmma_wait<0>();
+      fence_pv_operands();
+      if (lane == 0) mbar_arrive(&v_empty[(n_tiles - 1) % C::kVStages]);
+    }
+  } else
   for (int nt = 0; nt < n_tiles; ++nt, ++kt) {
     const int stage = kt % C::kKStages, v_stage = nt % C::kVStages;
     FWD_TRACE(trace_pass2 = true);
