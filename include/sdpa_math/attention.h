@@ -146,6 +146,23 @@ struct KlRowsArgs {
 // kl and row_sum: (*lead, L), float32 or float64, one dtype.
 void kl_rows(Backend backend, const KlRowsArgs& args, const TensorView& kl, const TensorView& row_sum,
              const CudaExecution& cuda = {});
+// softmax_rows: rows of P from their fp32 logits, for a window of query rows asked for alone
+// (python/sdpa_math/stats.py, `rows` without the statistics kernel): the logits x of row n
+// (x = scale · q kᵀ, already scaled) go to out[n, j] = exp(x_j − max) / Σ exp(x − max), rounded
+// to out's dtype, in one pass that reads x twice and writes P once (instead of the separate
+// mask, softmax and cast passes of PyTorch ops). With is_causal, row k of the window is query row
+// i = first + k · step and key j > i is hidden (weight 0; top-left causal mask). The same values
+// as torch.softmax of the masked logits: a row that holds a NaN, or whose visible logits are all
+// -inf (never under the causal mask, which leaves key 0 visible), is NaN throughout; +inf likewise
+// gives NaN (inf − inf), as torch.softmax does.
+struct SoftmaxRowsArgs {
+  TensorView logits;     // x, (*lead, w, S), float32, any strides
+  bool is_causal = false;
+  int64_t first = 0;     // the window's first query row (is_causal only)
+  int64_t step = 1;      // query rows between the window's rows, >= 1 (is_causal only)
+};
+// out: x's shape, float16, bfloat16 or float32, on x's device.
+void softmax_rows(Backend backend, const SoftmaxRowsArgs& args, const TensorView& out, const CudaExecution& cuda = {});
 // kl_forward: kl_rows' two outputs from q and k instead of the caller's u = r K, with the logits'
 // sum Σ_j r_ij x_ij over the keys row i sees (x = scale q kᵀ with causality and the mask; a
 // hidden key is one whose logit is -inf): KL_i = Σ_j r_ij log r_ij − Σ_j r_ij x_ij + R_i lse_i,

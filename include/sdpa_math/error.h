@@ -29,6 +29,7 @@ enum class ErrorCode {
   BadGradient,            // grad_output / grad_probs of the wrong shape or dtype
   BackendUnavailable,     // e.g. CUDA requested in a build without CUDA
   CudaFailure,            // a CUDA runtime call or kernel launch failed
+  BadWindow,              // a window of query rows with first < 0 or step < 1
 };
 
 const char* error_code_name(ErrorCode code);

@@ -91,6 +91,11 @@ def _kl_rows_fake(reference, is_causal, query, ref_keys, logsumexp, scale):
     return reference.new_empty(rows, dtype=stat), reference.new_empty(rows, dtype=stat)
 
 
+@torch.library.register_fake("sdpa_math::softmax_rows")
+def _softmax_rows_fake(logits, dtype, is_causal, first, step):
+    return logits.new_empty(logits.shape, dtype=dtype)
+
+
 @torch.library.register_fake("sdpa_math::kl_forward")
 def _kl_forward_fake(query, key, value, is_causal, scale, enable_gqa, logsumexp, reference):
     stat = torch.float64 if query.dtype == torch.float64 else torch.float32

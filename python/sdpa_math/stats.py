@@ -449,12 +449,12 @@ def _rows_alone(q, k, v, is_causal, scale, enable_gqa, win):
     """(O, {"rows": P[..., rows, :]}) without sweeping P's other rows: O from PyTorch's fused kernel
     (_o_and_lse; its rounding, not the operator's), and the window's rows as the softmax of their
     fp32 logits (one product with fp32 results, a GQA group's rows stacked against their key
-    head; causal: -inf right of each row's diagonal), rounded to P's dtype: the operator's P there
-    to rounding. Each row of P depends on its own query only. The operator itself on the window's
+    head; causal: -inf right of each row's diagonal), rounded to P's dtype by the package's
+    softmax_rows kernel: the operator's P there to rounding. Each row of P depends on its own query only. The operator itself on the window's
     rows was no faster than the statistics kernel over all rows on causal shapes (a 64-row window
     on long4k_d128_causal: 32 CTAs of 64 rows sweeping 4096 keys twice, run s24-v78); this way
     long4k's window costs PyTorch's forward (0.26 ms) plus ~0.075 ms of product, scale, softmax and
-    cast (run s24-v81)."""
+    cast as PyTorch ops (run s24-v81), of which softmax_rows takes the mask, softmax and cast."""
     start, stop, step = win
     o, _ = _o_and_lse(q, k, v, is_causal, scale, enable_gqa)
     B, Hq, _, E = q.shape
@@ -464,10 +464,9 @@ def _rows_alone(q, k, v, is_causal, scale, enable_gqa, win):
     S = k.shape[-2]
     grouped = q_w.reshape(B, Hkv, (Hq // Hkv) * w, E) if enable_gqa and Hq != Hkv else q_w
     x = _logits_fp32(grouped, k, None, scale, False).view(B, Hq, w, S)
-    if is_causal and start + 1 < S:  # only keys right of the window's first row can be hidden
-        i = torch.arange(start, stop, step, device=q.device)
-        x[..., start + 1:].masked_fill_(torch.arange(start + 1, S, device=q.device) > i[:, None], float("-inf"))
-    return o, {"rows": torch.softmax(x, dim=-1).to(q.dtype)}
+    # The causal mask, softmax and cast in one kernel (torch.softmax of the masked logits, to q's
+    # dtype): one write of P's rows after two reads of x, where separate ops took five passes.
+    return o, {"rows": ops.softmax_rows(x, q.dtype, is_causal, start, step)}
 
 
 # kl_forward's kernel takes 128 query rows a CTA and streams every key tile of K past them: with a

@@ -141,6 +141,21 @@ void kl_rows(Backend backend, const KlRowsArgs& args, const TensorView& kl, cons
   reference::kl_rows(args, kl, row_sum);
 }
 
+void softmax_rows(Backend backend, const SoftmaxRowsArgs& args, const TensorView& out, const CudaExecution& cuda) {
+  core::check_softmax_rows(args, out);
+  if (!backend_available(backend))
+    throw Error(ErrorCode::BackendUnavailable, std::string("the ") + backend_name(backend) + " backend is not in this build");
+  if ((args.logits.device.type == DeviceType::CUDA) != (backend == Backend::Cuda))
+    throw Error(ErrorCode::DeviceMismatch, std::string("the ") + backend_name(backend) + " backend cannot run tensors on " +
+                                               device_name(args.logits.device));
+#ifdef SDPA_MATH_WITH_CUDA
+  if (backend == Backend::Cuda) return cuda::softmax_rows(args, out, cuda);
+#else
+  (void)cuda;
+#endif
+  reference::softmax_rows(args, out);
+}
+
 void kl_forward(Backend backend, const KlForwardArgs& args, const TensorView& kl, const TensorView& row_sum,
                 const CudaExecution& cuda) {
   const core::Problem p = core::make_problem(args.forward);

@@ -80,5 +80,6 @@ void check_backward(const Problem& p, const BackwardArgs& args, const BackwardOu
 void check_kl_backward(const Problem& p, const KlBackwardArgs& args, const BackwardOutputs& out);  // and refuses dropout
 void check_kl_forward(const Problem& p, const KlForwardArgs& args, const TensorView* kl, const TensorView* row_sum);  // outputs: nullptr to skip; refuses dropout
 void check_kl_rows(const KlRowsArgs& args, const TensorView& kl, const TensorView& row_sum);
+void check_softmax_rows(const SoftmaxRowsArgs& args, const TensorView& out);
 
 }  // namespace sdpa_math::core

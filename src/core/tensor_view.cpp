@@ -120,6 +120,7 @@ const char* error_code_name(ErrorCode c) {
     case ErrorCode::BadGradient: return "BadGradient";
     case ErrorCode::BackendUnavailable: return "BackendUnavailable";
     case ErrorCode::CudaFailure: return "CudaFailure";
+    case ErrorCode::BadWindow: return "BadWindow";
   }
   return "Unknown";
 }

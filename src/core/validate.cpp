@@ -381,4 +381,15 @@ void check_kl_rows(const KlRowsArgs& a, const TensorView& kl, const TensorView& 
     fail(ErrorCode::BadOutput, "kl and row_sum must have one dtype, got ", dtype_name(kl.dtype), " and ", dtype_name(row_sum.dtype));
 }
 
+void check_softmax_rows(const SoftmaxRowsArgs& a, const TensorView& out) {
+  const TensorView& x = a.logits;
+  if (x.ndim() < 2) fail(ErrorCode::RankTooLow, "logits must have at least 2 dims (rows, keys), got ", x.shape.str());
+  if (x.dtype != DType::Float32) fail(ErrorCode::UnsupportedDtype, "logits have dtype ", dtype_name(x.dtype), ", expected float32");
+  if (a.is_causal && (a.first < 0 || a.step < 1))
+    fail(ErrorCode::BadWindow, "a causal window needs first >= 0 and step >= 1, got first ", a.first, " and step ", a.step);
+  check_view(out, "out", x.shape, false, x.device, ErrorCode::BadOutput);
+  if (out.dtype != DType::Float16 && out.dtype != DType::BFloat16 && out.dtype != DType::Float32)
+    fail(ErrorCode::BadOutput, "out has dtype ", dtype_name(out.dtype), ", expected float16, bfloat16 or float32");
+}
+
 }  // namespace sdpa_math::core

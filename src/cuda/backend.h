@@ -23,6 +23,7 @@ inline constexpr const char* stats_kernel_requirements =
 // kl_to's pieces (attention.h): the KL's rows on any GPU (kl.cu); the gradient on the Hopper
 // backward's KL form (throws BackendUnavailable, before anything is written, elsewhere).
 void kl_rows(const KlRowsArgs& args, const TensorView& kl, const TensorView& row_sum, const CudaExecution& ex);
+void softmax_rows(const SoftmaxRowsArgs& args, const TensorView& out, const CudaExecution& ex);
 void kl_backward(const core::Problem& p, const KlBackwardArgs& args, const BackwardOutputs& out, const CudaExecution& ex);
 bool kl_backward_applies(const core::Problem& p, const KlBackwardArgs& args);
 void kl_forward(const core::Problem& p, const KlForwardArgs& args, const TensorView& kl, const TensorView& row_sum,

@@ -316,4 +316,32 @@ void kl_rows(const KlRowsArgs& a, const TensorView& kl, const TensorView& row_su
   }
 }
 
+void softmax_rows(const SoftmaxRowsArgs& a, const TensorView& out) {
+  const TensorView& x = a.logits;
+  const int nd = x.ndim();
+  const int64_t w = x.shape.dims[nd - 2], S = x.shape.dims[nd - 1], rows = w > 0 ? x.numel() / std::max<int64_t>(S, 1) : 0;
+  if (S == 0) return;
+  auto row_offset = [&](const TensorView& v, int64_t n) {
+    int64_t off = 0;
+    for (int d = nd - 2; d >= 0; --d) {
+      off += (n % x.shape.dims[d]) * v.strides[d];
+      n /= x.shape.dims[d];
+    }
+    return off;
+  };
+  std::vector<double> v(static_cast<size_t>(S));
+  for (int64_t n = 0; n < rows; ++n) {
+    const int64_t i = a.first + (n % w) * a.step, x0 = row_offset(x, n), o0 = row_offset(out, n);
+    double m = kNegInf;
+    for (int64_t j = 0; j < S; ++j) {
+      v[j] = a.is_causal && j > i ? kNegInf : core::load_as_double(x.dtype, x.data, x0 + j * x.strides[nd - 1]);
+      m = std::isnan(v[j]) || std::isnan(m) ? NAN : std::max(m, v[j]);  // NaN propagates, as torch's max does
+    }
+    double sum = 0.0;
+    for (int64_t j = 0; j < S; ++j) sum += std::exp(v[j] - m);  // all -inf or an inf: NaN, as torch.softmax
+    for (int64_t j = 0; j < S; ++j)
+      core::store_from_double(out.dtype, out.data, o0 + j * out.strides[nd - 1], std::exp(v[j] - m) / sum);
+  }
+}
+
 }  // namespace sdpa_math::reference

@@ -12,5 +12,6 @@ void forward_stats(const core::Problem& p, const StatsOutputs& out);
 void kl_backward(const core::Problem& p, const KlBackwardArgs& args, const BackwardOutputs& out);
 void kl_forward(const core::Problem& p, const KlForwardArgs& args, const TensorView& kl, const TensorView& row_sum);
 void kl_rows(const KlRowsArgs& args, const TensorView& kl, const TensorView& row_sum);
+void softmax_rows(const SoftmaxRowsArgs& args, const TensorView& out);
 
 }  // namespace sdpa_math::reference

@@ -319,6 +319,24 @@ std::tuple<at::Tensor, at::Tensor> kl_rows_kernel(const at::Tensor& reference, b
   });
 }
 
+// The rows of P from their fp32 logits (sdpa_math::softmax_rows; python/sdpa_math/stats.py's
+// `rows` alone on CUDA): a fresh tensor of the logits' shape in `dtype`.
+at::Tensor softmax_rows_kernel(const at::Tensor& logits, c10::ScalarType dtype, bool is_causal, int64_t first,
+                               int64_t step) {
+  return checked([&] {
+    const at::OptionalDeviceGuard guard(at::device_of(logits));
+    at::Tensor out = at::empty(logits.sizes(), logits.options().dtype(dtype));
+    poison({&out});
+    sdpa_math::SoftmaxRowsArgs a;
+    a.logits = view_of(logits);
+    a.is_causal = is_causal;
+    a.first = first;
+    a.step = step;
+    sdpa_math::softmax_rows(backend_for(logits), a, view_of(out), cuda_execution(logits));
+    return out;
+  });
+}
+
 sdpa_math::KlForwardArgs kl_forward_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool is_causal,
                                          std::optional<double> scale, bool enable_gqa, const at::Tensor& logsumexp,
                                          const at::Tensor& reference) {
@@ -448,6 +466,7 @@ TORCH_LIBRARY(sdpa_math, m) {
   m.def(
       "kl_rows(Tensor reference, bool is_causal, Tensor query, Tensor ref_keys, Tensor logsumexp, float scale) "
       "-> (Tensor kl, Tensor row_sum)");
+  m.def("softmax_rows(Tensor logits, ScalarType dtype, bool is_causal, int first, int step) -> Tensor");
   m.def(
       "kl_forward(Tensor query, Tensor key, Tensor value, bool is_causal, float? scale, bool enable_gqa, Tensor logsumexp, "
       "Tensor reference) -> (Tensor kl, Tensor row_sum)");
@@ -468,6 +487,7 @@ TORCH_LIBRARY_IMPL(sdpa_math, CPU, m) {
   m.impl("forward_stats", &forward_stats_kernel);
   m.impl("forward_stats_has_kernel", &forward_stats_has_kernel_op);
   m.impl("kl_rows", &kl_rows_kernel);
+  m.impl("softmax_rows", &softmax_rows_kernel);
   m.impl("kl_forward", &kl_forward_kernel);
   m.impl("kl_forward_has_kernel", &kl_forward_has_kernel_op);
   m.impl("kl_backward", &kl_backward_kernel);
@@ -481,6 +501,7 @@ TORCH_LIBRARY_IMPL(sdpa_math, CUDA, m) {
   m.impl("forward_stats", &forward_stats_kernel);
   m.impl("forward_stats_has_kernel", &forward_stats_has_kernel_op);
   m.impl("kl_rows", &kl_rows_kernel);
+  m.impl("softmax_rows", &softmax_rows_kernel);
   m.impl("kl_forward", &kl_forward_kernel);
   m.impl("kl_forward_has_kernel", &kl_forward_has_kernel_op);
   m.impl("kl_backward", &kl_backward_kernel);
@@ -499,6 +520,7 @@ TORCH_LIBRARY_IMPL(sdpa_math, CUDA, m) {
   m.impl("forward_stats", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
   m.impl("forward_stats_has_kernel", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
   m.impl("kl_rows", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
+  m.impl("softmax_rows", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
   m.impl("kl_forward", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
   m.impl("kl_forward_has_kernel", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
   m.impl("kl_backward", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
