@@ -44,9 +44,10 @@ def run(dtype, B, Hq, Hkv, L, S, E, Ev, causal=False, mask=None, dropout=0.0, tr
     torch.autograd.grad(probs, leaves, torch.randn_like(probs))
 
 
-def stats(dtype, B, Hq, Hkv, L, S, E, Ev, causal=False, mask=False, rows=None, cols=True):
+def stats(dtype, B, Hq, Hkv, L, S, E, Ev, causal=False, mask=False, rows=None, cols=True, entropy=True):
     """The Hopper statistics kernel (column sums, entropy, a rows window) and its column pass;
-    without column sums (cols=False), its one-pass CTAs."""
+    without column sums (cols=False), its one-pass CTAs; rows alone (cols=False, entropy=False, a
+    short window), the softmax_rows kernel."""
     gen = torch.Generator(device="cuda").manual_seed(L * 1000 + S + 1)
     q, k, v = (torch.randn(B, h, n, e, device="cuda", dtype=dtype, generator=gen)
                for h, n, e in ((Hq, L, E), (Hkv, S, E), (Hkv, S, Ev)))
@@ -56,7 +57,7 @@ def stats(dtype, B, Hq, Hkv, L, S, E, Ev, causal=False, mask=False, rows=None, c
         m[1] = False
     # auto: the kernel on Hopper, the chunks when it is off (SDPA_MATH_SM90=0)
     attention_stats(q, k, v, m, is_causal=causal, enable_gqa=Hq != Hkv, col_sum="per_head" if cols else None,
-                    row_entropy=True, rows=rows)
+                    row_entropy=entropy, rows=rows)
 
 
 def kl(dtype, B, Hq, Hkv, L, S, E, causal=False):
@@ -92,6 +93,8 @@ def main():
         stats(dtype, 2, 2, 2, 1, 600, 128, 128)
         stats(dtype, 2, 4, 2, 300, 250, 128, 96, mask=True, rows=slice(-2, None), cols=False)
         stats(dtype, 1, 2, 2, 257, 1100, 64, 64, causal=True, cols=False)
+        stats(dtype, 1, 4, 2, 300, 1037, 64, 64, causal=True, rows=slice(-40, None, 3), cols=False, entropy=False)
+        stats(dtype, 2, 2, 2, 2, 77, 128, 128, rows=slice(1, 2), cols=False, entropy=False)
     for dtype in (torch.float16, torch.bfloat16):
         run(dtype, 1, 2, 2, 70, 133, 64, 64)                               # sm90 on Hopper
         run(dtype, 2, 4, 2, 130, 200, 80, 80, blhe=True, causal=True)      # sm90: views, GQA, causal
