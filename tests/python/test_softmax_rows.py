@@ -11,6 +11,10 @@ from cuda_helpers import dtype_id
 
 ops = torch.ops.sdpa_math
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# Row lengths per device. CUDA: past the kernel's 256 threads a row; 1100 and 3000 take the
+# register form (2 and 4 float4s a thread, the last partly past the row), 1021 (not a multiple
+# of 4) and 5000 (more than 4096 keys) the two-read form.
+ROW_LENGTHS = [("cpu", 300)] + [("cuda", S) for S in (1100, 3000, 1021, 5000) if torch.cuda.is_available()]
 OUT_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
 
@@ -30,16 +34,17 @@ def close(got, expect):
     torch.testing.assert_close(got, expect, rtol=tol, atol=1e-6, equal_nan=True)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device,S", ROW_LENGTHS)
 @pytest.mark.parametrize("dtype", OUT_DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("causal,first,step", [(False, 0, 1), (True, 0, 1), (True, 60, 1), (True, 5, 3)])
-@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
-def test_softmax_rows_match_the_ops_they_replace(device, dtype, causal, first, step, layout):
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "strided_keys"])
+def test_softmax_rows_match_the_ops_they_replace(device, S, dtype, causal, first, step, layout):
     gen = torch.Generator().manual_seed(7)
-    S = 300 if device == "cpu" else 1100  # past the kernel's 256 threads a row
     x = (torch.randn(2, 3, 4, S, generator=gen) * 4).to(device)
     if layout == "transposed":  # rows and heads swapped, not copied
         x = x.transpose(1, 2).contiguous().transpose(1, 2)
+    elif layout == "strided_keys":  # every other key of a wider tensor (the two-read form on CUDA)
+        x = torch.stack((x, x + 1), -1).flatten(-2)[..., ::2]
     got = ops.softmax_rows(x, dtype, causal, first, step)
     assert got.dtype == dtype and got.shape == x.shape and got.device == x.device
     close(got, want(x, dtype, causal, first, step))
@@ -62,11 +67,11 @@ def test_softmax_rows_long_window_on_cuda(dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_softmax_rows_nonfinite_rows_as_torch(device):
+@pytest.mark.parametrize("S", [40, 41])  # on CUDA: the register form, the two-read form
+def test_softmax_rows_nonfinite_rows_as_torch(device, S):
     """A NaN or +inf among a row's visible logits, or no finite visible logit: a NaN row, as
     torch.softmax gives; -inf keys weigh 0; a NaN or +inf at a causally hidden key changes nothing
     (the mask replaces it). Query row k of the window sees keys 0..k under the causal mask."""
-    S = 40
     x = torch.randn(6, S).to(device)
     x[0, 7] = float("nan")
     x[1, 3] = float("inf")
