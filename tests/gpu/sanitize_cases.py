@@ -35,6 +35,8 @@ def run(dtype, B, Hq, Hkv, L, S, E, Ev, causal=False, mask=None, dropout=0.0, tr
     elif mask == "bool":
         m = torch.rand(L, S, device="cuda", generator=gen) < 0.7
         m[1] = False
+    elif mask == "keypad":  # (B, 1, 1, S), batch b's last b * S / 2 keys hidden (whole tiles skipped)
+        m = (torch.arange(S, device="cuda") < S - torch.arange(B, device="cuda")[:, None] * S // 2)[:, None, None]
     out, probs = sdpa_math.attention(q, k, v, m, dropout, causal, enable_gqa=Hq != Hkv)
     leaves = [q, k, v] + ([m] if m is not None and m.is_floating_point() else [])
     torch.autograd.grad((out, probs), leaves, (torch.randn_like(out), torch.randn_like(probs)))
@@ -99,6 +101,7 @@ def main():
         run(dtype, 1, 2, 2, 70, 133, 64, 64)                               # sm90 on Hopper
         run(dtype, 2, 4, 2, 130, 200, 80, 80, blhe=True, causal=True)      # sm90: views, GQA, causal
         run(dtype, 2, 2, 2, 129, 140, 128, 96, mask="bool", blhe=True)     # sm90: bool mask, Ev != E
+        run(dtype, 3, 2, 2, 200, 600, 64, 64, mask="keypad")               # sm90: padded key tiles skipped
         run(dtype, 1, 3, 1, 100, 1100, 64, 64)                             # sm90 backward: P rows not 16-byte aligned
         run(dtype, 1, 2, 2, 65, 65, 128, 128, causal=True)
         run(dtype, 2, 4, 2, 33, 47, 96, 96, mask="float")

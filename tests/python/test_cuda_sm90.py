@@ -68,6 +68,42 @@ def test_sm90_forward_masked(dtype, mask_kind, layout):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+@pytest.mark.parametrize("form", ["b11s", "b1ls"])
+def test_sm90_padded_key_tiles(dtype, form):
+    """A bool mask that hides whole 128-key tiles at the end of some row blocks (a right-padded
+    batch): the kernel stops before them and writes their P as the causal tail's zeros. Batches
+    with 700, 450, 256 and 0 visible keys (a whole tile and a part, exactly two tiles, nothing:
+    P = O = 0, lse = -inf); in the (B, 1, L, S) form, rows past 128 see 200 more keys than the
+    first row block, so CTAs of one head stop at different tiles. NaN keys behind the padding
+    change nothing (contract §13); a NaN query row is NaN at every key, the skipped ones too."""
+    B, H, L, S, E = 4, 2, 300, 700, 128
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    q, k, v = (torch.randn(B, H, n, E, generator=gen, device="cuda").to(dtype) for n in (L, S, S))
+    valid = torch.tensor([700, 450, 256, 0], device="cuda")
+    keep = torch.arange(S, device="cuda") < valid[:, None]  # (B, S)
+    if form == "b11s":
+        mask = keep[:, None, None, :].contiguous()
+    else:
+        ends = valid[:, None] - 200 + 200 * (torch.arange(L, device="cuda") >= 128)  # (B, L)
+        mask = (torch.arange(S, device="cuda") < ends[..., None].clamp(min=0))[:, None].contiguous()
+    k[1, :, 600:] = float("nan")  # hidden from every row of batch 1
+    (out, probs), names = cuda_kernels(lambda: sdpa_math.attention(q, k, v, mask))
+    assert any("forward_sm90" in n for n in names), names
+    k[1, :, 600:] = 0.0
+    ref_out, ref_p, ref_lse = reference(q, k, v, mask, False, E ** -0.5, False)
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(probs.double(), ref_p, rtol=rtol, atol=atol)
+    torch.testing.assert_close(out.double(), ref_out, rtol=rtol * 5, atol=atol * 20)
+    assert (probs[3] == 0).all() and (out[3] == 0).all()
+    lse = torch.ops.sdpa_math.forward(q, k, v, mask, 0.0, False, None, None, False, None)[2]
+    assert torch.isneginf(lse[3]).all()
+    torch.testing.assert_close(lse[:3].double(), ref_lse[:3], rtol=1e-5, atol=1e-5)
+    q[2, 1, 7, 0] = float("nan")  # batch 2 stops after two of its six tiles
+    probs = sdpa_math.attention(q, k, v, mask)[1]
+    assert probs[2, 1, 7].isnan().all() and not probs[2, 1, 8].isnan().any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
 def test_sm90_lse_matches_reference(dtype):
     """lse is what the backward reads: compare it through the op's own output."""
     gen = torch.Generator(device="cuda").manual_seed(3)
