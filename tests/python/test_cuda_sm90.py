@@ -70,12 +70,12 @@ def test_sm90_forward_masked(dtype, mask_kind, layout):
 @pytest.mark.parametrize("dtype", DTYPES, ids=ids)
 @pytest.mark.parametrize("form", ["b11s", "b1ls"])
 def test_sm90_padded_key_tiles(dtype, form):
-    """A bool mask that hides whole 128-key tiles at the end of some row blocks (a right-padded
-    batch): the kernel stops before them and writes their P as the causal tail's zeros. Batches
-    with 700, 450, 256 and 0 visible keys (a whole tile and a part, exactly two tiles, nothing:
-    P = O = 0, lse = -inf); in the (B, 1, L, S) form, rows past 128 see 200 more keys than the
-    first row block, so CTAs of one head stop at different tiles. NaN keys behind the padding
-    change nothing (contract §13); a NaN query row is NaN at every key, the skipped ones too."""
+    """A key-padding mask (B, 1, 1, S) that hides whole 128-key tiles at the end of some batches:
+    the kernel stops before them and writes their P as the causal tail's zeros. Batches with 700,
+    450, 256 and 0 visible keys (a whole tile and a part, exactly two tiles, nothing: P = O = 0,
+    lse = -inf). The (B, 1, L, S) form (rows past 128 see 200 more keys than the first row
+    block) is not scanned and must give the same. NaN keys behind the padding change nothing
+    (contract §13); a NaN query row is NaN at every key, the skipped ones too."""
     B, H, L, S, E = 4, 2, 300, 700, 128
     gen = torch.Generator(device="cuda").manual_seed(23)
     q, k, v = (torch.randn(B, H, n, E, generator=gen, device="cuda").to(dtype) for n in (L, S, S))

@@ -257,37 +257,29 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_barrier_init();
   }
   __syncthreads();
-  // Q first: it arrives ~2700 cycles after it is issued (run s25-v85), and the bool mask's scan
-  // below runs meanwhile.
-  if (threadIdx.x == 0) {
-    int cq[3];
-    map_coords(a.q, lead, cq);
-    mbar_arrive_expect_tx(q_full, C::kQBytes);
-#pragma unroll
-    for (int b = 0; b < C::kBlocks; ++b)
-      tma_load_5d(sQ + b * kBM * 64, &tm_q, q_full, b * 64, static_cast<int>(i0), cq[0], cq[1], cq[2]);
-  }
   if constexpr (MASK == MaskKind::Bool && !STATS) {
-    // Key tiles at the end that a bool mask hides from every row of the CTA (a padded batch's
-    // keys, right-padded) contribute nothing to O, l or the max, so they are neither loaded nor
-    // multiplied: the CTA stops before them, and the causal tail's fill below writes their P
-    // (0, or NaN in a NaN row, as for keys right of the diagonal; a NaN at a hidden key is
-    // ignored: docs/contract.md §13). All threads scan the tiles from the last, a key pair a
-    // load, and stop at the first tile with a visible pair. A mask broadcast over rows scans one
-    // row a tile; a full mask with nothing to skip costs one tile's read (16 KB, from L2).
-    // (The statistics form keeps every tile: its column pass counts the tiles each CTA covers.)
-    const int64_t rows = p.mask.row == 0 ? 1 : (p.L - i0 < kBM ? p.L - i0 : kBM);
-    const uint8_t* m0 = reinterpret_cast<const uint8_t*>(p.mask.data) + lead_off(p, p.mask, lead) + i0 * p.mask.row;
-    while (n_tiles > 0) {
-      const int64_t j0 = static_cast<int64_t>(n_tiles - 1) * kBN;
-      const int pairs = static_cast<int>((j_end - j0 + 1) / 2);  // S is even (forward_applies)
-      bool seen = false;
-      for (int64_t idx = threadIdx.x; idx < rows * pairs; idx += blockDim.x) {
-        const int64_t r = idx / pairs, c = idx % pairs;
-        seen |= *reinterpret_cast<const uint16_t*>(m0 + r * p.mask.row + j0 + 2 * c) != 0;
+    // Key tiles at the end that a key-padding mask (bool, broadcast over rows: (B, 1, 1, S))
+    // hides contribute nothing to O, l or the max, so they are neither loaded nor multiplied:
+    // the CTA stops before them, and the causal tail's fill below writes their P (0, or NaN in a
+    // NaN row, as for keys right of the diagonal; a NaN at a hidden key is ignored:
+    // docs/contract.md §13). The threads scan the mask's row from the last tile, a key pair each,
+    // and stop at the first tile with a visible pair. Run s27-v101 (prefill1k_d128 fp16,
+    // A/B/A): batches padded by 0-3/8 of their keys 0.217 -> 0.191 ms; a mask with nothing to
+    // skip unchanged. A mask with rows of its own is not scanned: 128 rows a tile took 10 % of
+    // the forward (one load in flight per thread), and Q issued before the scan made it slower
+    // still (+6 %). (The statistics form keeps every tile: its column pass counts the tiles each
+    // CTA covers.)
+    if (p.mask.row == 0) {
+      const uint8_t* m0 = reinterpret_cast<const uint8_t*>(p.mask.data) + lead_off(p, p.mask, lead);
+      while (n_tiles > 0) {
+        const int64_t j0 = static_cast<int64_t>(n_tiles - 1) * kBN;
+        const int pairs = static_cast<int>((j_end - j0 + 1) / 2);  // S is even (forward_applies)
+        bool seen = false;
+        for (int c = threadIdx.x; c < pairs; c += blockDim.x)
+          seen |= *reinterpret_cast<const uint16_t*>(m0 + j0 + 2 * c) != 0;
+        if (__syncthreads_or(seen)) break;
+        --n_tiles;
       }
-      if (__syncthreads_or(seen)) break;
-      --n_tiles;
     }
   }
 #ifdef SDPA_MATH_FWD_TRACE
@@ -303,13 +295,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int wg = threadIdx.x / 128;
   if (wg == 0) {  // producer
     // The maps' coordinates of this head, computed before the warpgroup gives registers back.
-    int ck[3], cv[3];
+    int cq[3], ck[3], cv[3];
+    map_coords(a.q, lead, cq);
     map_coords(a.k, lead, ck);
     map_coords(a.v, lead, cv);
     regs_release<kProducerRegs>();
     if (threadIdx.x == 0) {
+      prefetch_tensor_map(&tm_q);
       prefetch_tensor_map(&tm_k);
       prefetch_tensor_map(&tm_v);
+      mbar_arrive_expect_tx(q_full, C::kQBytes);
+#pragma unroll
+      for (int b = 0; b < C::kBlocks; ++b)
+        tma_load_5d(sQ + b * kBM * 64, &tm_q, q_full, b * 64, static_cast<int>(i0), cq[0], cq[1], cq[2]);
       // Tile nt of a map into the next stage of a ring: use n of a stage waits for the n-th
       // release of it (parity (n & 1) ^ 1: the first use finds it free).
       auto produce = [&](T* ring, const CUtensorMap* map, uint64_t* full_bars, uint64_t* empty_bars, int stages,
@@ -856,8 +854,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     return;
   }
 
-  // Causal, or a bool mask's trailing tiles: the keys right of the last tile are hidden from
-  // every row of the CTA: zeros, 16 bytes a store where rows allow; NaN in a NaN row (prob_of_hidden_key: the math op's softmax of a
+  // Causal, or a key-padding mask's trailing tiles: the keys right of the last tile are hidden
+  // from every row of the CTA: zeros, 16 bytes a store where rows allow; NaN in a NaN row (prob_of_hidden_key: the math op's softmax of a
   // NaN row is NaN at its hidden keys too). Each row's flag comes from the quad that holds it.
   if (z0 < p.S) {
     named_barrier(5, 256);  // the consumers' row_is_nan writes before their reads
