@@ -12,13 +12,18 @@
 namespace sdpa_math {
 namespace {
 
-void check_backend(Backend b, const core::Problem& p) {
+// The backend is in this build and runs tensors on `device`.
+void check_backend_device(Backend b, const Device& device) {
   if (!backend_available(b))
     throw Error(ErrorCode::BackendUnavailable, std::string("the ") + backend_name(b) + " backend is not in this build");
-  const bool wants_cuda = b == Backend::Cuda;
-  if ((p.device.type == DeviceType::CUDA) != wants_cuda)
+  if ((device.type == DeviceType::CUDA) != (b == Backend::Cuda))
     throw Error(ErrorCode::DeviceMismatch, std::string("the ") + backend_name(b) + " backend cannot run tensors on " +
-                                               device_name(p.device));
+                                               device_name(device));
+}
+
+void check_backend(Backend b, const core::Problem& p) {
+  check_backend_device(b, p.device);
+  const bool wants_cuda = b == Backend::Cuda;
   if (p.rng_device != nullptr && !wants_cuda)
     throw Error(ErrorCode::DeviceMismatch, std::string("the ") + backend_name(b) +
                                                " backend reads the dropout seed from options.seed; rng_device is for CUDA");
@@ -128,11 +133,7 @@ bool forward_stats_has_kernel(Backend backend, const ForwardArgs& args, bool col
 void kl_rows(Backend backend, const KlRowsArgs& args, const TensorView& kl, const TensorView& row_sum,
              const CudaExecution& cuda) {
   core::check_kl_rows(args, kl, row_sum);
-  if (!backend_available(backend))
-    throw Error(ErrorCode::BackendUnavailable, std::string("the ") + backend_name(backend) + " backend is not in this build");
-  if ((args.reference.device.type == DeviceType::CUDA) != (backend == Backend::Cuda))
-    throw Error(ErrorCode::DeviceMismatch, std::string("the ") + backend_name(backend) + " backend cannot run tensors on " +
-                                               device_name(args.reference.device));
+  check_backend_device(backend, args.reference.device);
 #ifdef SDPA_MATH_WITH_CUDA
   if (backend == Backend::Cuda) return cuda::kl_rows(args, kl, row_sum, cuda);
 #else
@@ -143,11 +144,7 @@ void kl_rows(Backend backend, const KlRowsArgs& args, const TensorView& kl, cons
 
 void softmax_rows(Backend backend, const SoftmaxRowsArgs& args, const TensorView& out, const CudaExecution& cuda) {
   core::check_softmax_rows(args, out);
-  if (!backend_available(backend))
-    throw Error(ErrorCode::BackendUnavailable, std::string("the ") + backend_name(backend) + " backend is not in this build");
-  if ((args.logits.device.type == DeviceType::CUDA) != (backend == Backend::Cuda))
-    throw Error(ErrorCode::DeviceMismatch, std::string("the ") + backend_name(backend) + " backend cannot run tensors on " +
-                                               device_name(args.logits.device));
+  check_backend_device(backend, args.logits.device);
 #ifdef SDPA_MATH_WITH_CUDA
   if (backend == Backend::Cuda) return cuda::softmax_rows(args, out, cuda);
 #else
