@@ -107,6 +107,17 @@ void compute_row(const Problem& p, int64_t lead, const HeadOffsets& h, int64_t i
   }
 }
 
+// The offset of row n (row-major over the first nd - 1 dims of `shape`, the rows' own dims) in a
+// view v with those dims first.
+int64_t row_offset(const Shape& shape, const TensorView& v, int64_t n) {
+  int64_t off = 0;
+  for (int d = shape.ndim - 2; d >= 0; --d) {
+    off += (n % shape.dims[d]) * v.strides[d];
+    n /= shape.dims[d];
+  }
+  return off;
+}
+
 }  // namespace
 
 void forward(const Problem& p, const ForwardOutputs& out) {
@@ -286,15 +297,7 @@ void kl_rows(const KlRowsArgs& a, const TensorView& kl, const TensorView& row_su
   const int nd = ref.ndim();
   const int64_t L = ref.shape.dims[nd - 2], S = ref.shape.dims[nd - 1], E = a.query.shape.dims[nd - 1];
   const int64_t rows = row_sum.numel();
-  // The offset of row n (row-major over the first nd - 1 dims) in a view with those dims first.
-  auto row_offset = [&](const TensorView& v, int64_t n) {
-    int64_t off = 0;
-    for (int d = nd - 2; d >= 0; --d) {
-      off += (n % ref.shape.dims[d]) * v.strides[d];
-      n /= ref.shape.dims[d];
-    }
-    return off;
-  };
+  auto row_offset = [&](const TensorView& v, int64_t n) { return reference::row_offset(ref.shape, v, n); };
   for (int64_t n = 0; n < rows; ++n) {
     const int64_t i = n % std::max<int64_t>(L, 1), base = row_offset(ref, n);
     double sum = 0.0, xlogx = 0.0, hidden = 0.0;
@@ -321,14 +324,7 @@ void softmax_rows(const SoftmaxRowsArgs& a, const TensorView& out) {
   const int nd = x.ndim();
   const int64_t w = x.shape.dims[nd - 2], S = x.shape.dims[nd - 1], rows = w > 0 ? x.numel() / std::max<int64_t>(S, 1) : 0;
   if (S == 0) return;
-  auto row_offset = [&](const TensorView& v, int64_t n) {
-    int64_t off = 0;
-    for (int d = nd - 2; d >= 0; --d) {
-      off += (n % x.shape.dims[d]) * v.strides[d];
-      n /= x.shape.dims[d];
-    }
-    return off;
-  };
+  auto row_offset = [&](const TensorView& v, int64_t n) { return reference::row_offset(x.shape, v, n); };
   std::vector<double> v(static_cast<size_t>(S));
   for (int64_t n = 0; n < rows; ++n) {
     const int64_t i = a.first + (n % w) * a.step, x0 = row_offset(x, n), o0 = row_offset(out, n);
