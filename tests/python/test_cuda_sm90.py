@@ -104,8 +104,6 @@ def test_sm90_padded_key_tiles(dtype, form):
     assert probs[2, 1, 7].isnan().all() and not probs[2, 1, 8].isnan().any()
 
 
-@pytest.mark.xfail(strict=True, reason="known bug (bench/NOTES.md, session 27): the Hopper kernel adds the bool "
-                   "mask's -inf to the score, and NaN + -inf is NaN; to fix with a select")
 @pytest.mark.parametrize("dtype", DTYPES, ids=ids)
 def test_sm90_nan_at_a_key_a_bool_mask_hides_is_ignored(dtype):
     """Contract §13: a key the row does not attend to takes no part in it, NaN included. Key 40

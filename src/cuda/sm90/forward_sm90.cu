@@ -171,22 +171,25 @@ SDPA_MATH_D void column_sums(float (&col)[kBN / 4], float* buf, int warp, int la
 // The mask's element type, fixed per kernel so its loads are plain typed loads.
 enum class MaskKind : int { None, Bool, Same /* the inputs' dtype */, Float32 };
 
-// Two neighbouring mask elements (keys j, j + 1) as one load, and element e of them as a float
-// to add to the logit.
+// Two neighbouring mask elements (keys j, j + 1) as one load, and element e of them applied to
+// a scaled score x.
 template <typename T, MaskKind M>
 struct MaskPair {
   using Raw = std::conditional_t<M == MaskKind::Bool, uint16_t, std::conditional_t<M == MaskKind::Same, uint32_t, float2>>;
   static constexpr int kBytes = M == MaskKind::Bool ? 1 : M == MaskKind::Same ? 2 : 4;  // per element
-  static SDPA_MATH_D float value(const Raw& raw, int e) {
-    if constexpr (M == MaskKind::Bool) return ((raw >> (8 * e)) & 0xFF) ? 0.0f : -INFINITY;
-    else if constexpr (M == MaskKind::Same) return to_float<T>(reinterpret_cast<const T*>(&raw)[e]);
-    else return e ? raw.y : raw.x;
+  // A bool mask selects -inf for a hidden key instead of adding it, so a NaN score there (a NaN
+  // key) takes no part in the row (contract §13); adding gave NaN + -inf = NaN, a NaN row (run
+  // s27-v102). A float mask is added, as the math op adds it.
+  static SDPA_MATH_D float apply(float x, const Raw& raw, int e) {
+    if constexpr (M == MaskKind::Bool) return ((raw >> (8 * e)) & 0xFF) ? x : -INFINITY;
+    else if constexpr (M == MaskKind::Same) return x + to_float<T>(reinterpret_cast<const T*>(&raw)[e]);
+    else return x + (e ? raw.y : raw.x);
   }
 };
 
 // MASK = None: scores in base-2 units (x = s * scale * log2 e; one multiply-add and one ex2 per
-// element), causal and the key tail by index, only on the tiles that need it; a bool mask adds
-// 0 or -inf in the same units. With a float mask:
+// element), causal and the key tail by index, only on the tiles that need it; a bool mask keeps
+// the logit or selects -inf, in the same units. With a float mask:
 // natural units (x = s * scale + mask), so a row held at a float mask's finfo.min still has
 // finite logits (their base-2 form would overflow fp32) and gives the math op's uniform row;
 // exponents are taken of differences, (x - m) * log2 e.
@@ -439,7 +442,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int n = 0; n < kBN / 8; ++n)
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
-          if constexpr (kMasked) s[4 * n + c] = s[4 * n + c] * scale + Mask::value(mask_pairs[n][c >> 1], c & 1);
+          if constexpr (kMasked) s[4 * n + c] = Mask::apply(s[4 * n + c] * scale, mask_pairs[n][c >> 1], c & 1);
           else s[4 * n + c] *= scale;
         }
       return;
@@ -459,7 +462,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int r = c >> 1, jj = n * 8 + 2 * t + (c & 1);
         float x = s[4 * n + c] * scale;
         if constexpr (kMasked) {
-          if (jj < limit[r]) x += Mask::value(mask_pairs[n][r], c & 1);
+          if (jj < limit[r]) x = Mask::apply(x, mask_pairs[n][r], c & 1);
         }
         s[4 * n + c] = jj < limit[r] ? x : kNegInf;
       }
