@@ -33,6 +33,18 @@ struct RowsSoftmaxLayout {
   int64_t first = 0, step = 1;
 };
 
+// Where row n (counted over the leading dims, row-major) starts in the logits (xo) and the
+// output (oo), in elements.
+SDPA_MATH_D void row_offsets(const RowsSoftmaxLayout& d, int64_t n, int64_t& xo, int64_t& oo) {
+  xo = oo = 0;
+  for (int k = d.nd - 2; k >= 0; --k) {
+    const int64_t idx = n % d.shape[k];
+    n /= d.shape[k];
+    xo += idx * d.x_stride[k];
+    oo += idx * d.out_stride[k];
+  }
+}
+
 template <typename T>
 SDPA_MATH_D T from_float_any(float x) {
   if constexpr (std::is_same_v<T, float>) return x;
@@ -60,13 +72,8 @@ __global__ void __launch_bounds__(kRowThreads) softmax_rows_kernel(const float* 
   __shared__ int sbad[kRowThreads / 32];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   for (int64_t n = blockIdx.x; n < d.rows; n += gridDim.x) {
-    int64_t xo = 0, oo = 0, rest = n;
-    for (int k = d.nd - 2; k >= 0; --k) {
-      const int64_t idx = rest % d.shape[k];
-      rest /= d.shape[k];
-      xo += idx * d.x_stride[k];
-      oo += idx * d.out_stride[k];
-    }
+    int64_t xo, oo;
+    row_offsets(d, n, xo, oo);
     const float* xr = x + xo;
     T* orow = out + oo;
     const int64_t xs = d.x_stride[d.nd - 1], os = d.out_stride[d.nd - 1];
@@ -177,13 +184,8 @@ __global__ void __launch_bounds__(kRowThreads) softmax_rows_vec_kernel(const flo
   __shared__ float red[kRowThreads / 32];
   __shared__ int rbad[kRowThreads / 32];
   for (int64_t n = blockIdx.x; n < d.rows; n += gridDim.x) {
-    int64_t xo = 0, oo = 0, rest = n;
-    for (int k = d.nd - 2; k >= 0; --k) {
-      const int64_t idx = rest % d.shape[k];
-      rest /= d.shape[k];
-      xo += idx * d.x_stride[k];
-      oo += idx * d.out_stride[k];
-    }
+    int64_t xo, oo;
+    row_offsets(d, n, xo, oo);
     const float4* xr = reinterpret_cast<const float4*>(x + xo);
     const int64_t i = d.first + (n % d.w) * d.step;
     const int64_t visible = d.causal ? (i + 1 < d.S ? i + 1 : d.S) : d.S;
