@@ -68,26 +68,31 @@ def test_sm90_forward_masked(dtype, mask_kind, layout):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=ids)
-@pytest.mark.parametrize("form", ["b11s", "b1ls"])
-def test_sm90_padded_key_tiles(dtype, form):
-    """A key-padding mask (B, 1, 1, S) that hides whole 128-key tiles at the end of some batches:
-    the kernel stops before them and writes their P as the causal tail's zeros. Batches with 700,
-    450, 256 and 0 visible keys (a whole tile and a part, exactly two tiles, nothing: P = O = 0,
-    lse = -inf). The (B, 1, L, S) form (rows past 128 see 200 more keys than the first row
-    block) is not scanned and must give the same. NaN keys in skipped tiles change nothing
+@pytest.mark.parametrize("form,S", [("b11s", 700), ("b1ls", 700), ("b1ls", 704), ("causal_b1ls", 704)])
+def test_sm90_padded_key_tiles(dtype, form, S):
+    """Bool masks that hide whole 128-key tiles at the end of some CTAs' rows: the kernel stops
+    before them and writes their P as the causal tail's zeros. Batches with 700 (all), 450, 256
+    and 0 visible keys (a whole tile and a part, exactly two tiles, nothing: P = O = 0, lse =
+    -inf). b11s: a key-padding mask (B, 1, 1, S). b1ls: (B, 1, L, S), rows past 128 seeing 200
+    more keys than the first row block, so CTAs of one head stop at different tiles; with S = 704
+    its rows are 16-byte aligned and scanned two tiles a step, with 700 they are not scanned.
+    causal_b1ls: Hugging Face's causal-and-padding mask as one (B, 1, L, S) bool tensor (row i
+    sees keys <= i), whose upper triangle the scan skips. NaN keys at hidden keys change nothing
     (contract §13); a NaN query row is NaN at every key, the skipped ones too."""
-    B, H, L, S, E = 4, 2, 300, 700, 128
+    B, H, L, E = 4, 2, 300, 128
     gen = torch.Generator(device="cuda").manual_seed(23)
     q, k, v = (torch.randn(B, H, n, E, generator=gen, device="cuda").to(dtype) for n in (L, S, S))
-    valid = torch.tensor([700, 450, 256, 0], device="cuda")
-    keep = torch.arange(S, device="cuda") < valid[:, None]  # (B, S)
+    valid = torch.tensor([S, 450, 256, 0], device="cuda")
+    keys = torch.arange(S, device="cuda")
     if form == "b11s":
-        mask = keep[:, None, None, :].contiguous()
-    else:
+        mask = (keys < valid[:, None])[:, None, None, :].contiguous()
+    elif form == "b1ls":
         ends = valid[:, None] - 200 + 200 * (torch.arange(L, device="cuda") >= 128)  # (B, L)
-        mask = (torch.arange(S, device="cuda") < ends[..., None].clamp(min=0))[:, None].contiguous()
-    if form == "b11s":  # in tiles batch 1 skips (NaN at hidden keys of tiles a CTA runs: below)
-        k[1, :, 600:] = float("nan")
+        mask = (keys < ends[..., None].clamp(min=0))[:, None].contiguous()
+    else:
+        causal = keys <= torch.arange(L, device="cuda")[:, None]  # (L, S), top-left
+        mask = (causal & (keys < valid[:, None, None]))[:, None].contiguous()
+    k[1, :, 600:] = float("nan")  # hidden from every row of batch 1
     (out, probs), names = cuda_kernels(lambda: sdpa_math.attention(q, k, v, mask))
     assert any("forward_sm90" in n for n in names), names
     k[1, :, 600:] = 0.0
@@ -99,7 +104,7 @@ def test_sm90_padded_key_tiles(dtype, form):
     lse = torch.ops.sdpa_math.forward(q, k, v, mask, 0.0, False, None, None, False, None)[2]
     assert torch.isneginf(lse[3]).all()
     torch.testing.assert_close(lse[:3].double(), ref_lse[:3], rtol=1e-5, atol=1e-5)
-    q[2, 1, 7, 0] = float("nan")  # batch 2 stops after two of its six tiles
+    q[2, 1, 7, 0] = float("nan")  # batch 2's first row block stops after at most two tiles
     probs = sdpa_math.attention(q, k, v, mask)[1]
     assert probs[2, 1, 7].isnan().all() and not probs[2, 1, 8].isnan().any()
 

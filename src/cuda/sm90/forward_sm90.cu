@@ -78,6 +78,7 @@ struct Args {
   bool p_tma;   // P leaves through shared memory and TMA stores (rows 16-byte aligned), else
                 // as 4-byte pairs straight from registers
   bool p_vec8;  // P's rows take 16-byte stores (the causal zeros)
+  bool mask_vec16 = false;  // a bool mask's rows take 16-byte loads (the scan for hidden key tiles)
   bool fold;    // unmasked with a positive scale: clean tiles fold the scale into max and exponent
                 // (decided here: a double compare in the kernel waits on the tensor-core pipe)
   float scale;       // the scale in fp32, and times log2 e (unmasked scores are in base-2 units)
@@ -261,19 +262,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
   if constexpr (MASK == MaskKind::Bool && !STATS) {
-    // Key tiles at the end that a key-padding mask (bool, broadcast over rows: (B, 1, 1, S))
-    // hides contribute nothing to O, l or the max, so they are neither loaded nor multiplied:
-    // the CTA stops before them, and the causal tail's fill below writes their P (0, or NaN in a
-    // NaN row, as for keys right of the diagonal; a NaN at a hidden key is ignored:
-    // docs/contract.md §13). The threads scan the mask's row from the last tile, a key pair each,
-    // and stop at the first tile with a visible pair. Run s27-v101 (prefill1k_d128 fp16,
-    // A/B/A): batches padded by 0-3/8 of their keys 0.217 -> 0.191 ms; a mask with nothing to
-    // skip unchanged. A mask with rows of its own is not scanned: 128 rows a tile took 10 % of
-    // the forward (one load in flight per thread), and Q issued before the scan made it slower
-    // still (+6 %). (The statistics form keeps every tile: its column pass counts the tiles each
-    // CTA covers.)
+    // Key tiles at the end that a bool mask hides from every row of the CTA contribute nothing
+    // to O, l or the max, so they are neither loaded nor multiplied: the CTA stops before them,
+    // and the causal tail's fill below writes their P (0, or NaN in a NaN row, as for keys right
+    // of the diagonal; a NaN at a hidden key is ignored: docs/contract.md §13). (The statistics
+    // form keeps every tile: its column pass counts the tiles each CTA covers.)
+    // A key-padding mask (broadcast over rows: (B, 1, 1, S)): the threads scan its row from the
+    // last tile, a key pair each, and stop at the first tile with a visible pair. Run s27-v101
+    // (prefill1k_d128 fp16, A/B/A): batches padded by 0-3/8 of their keys 0.217 -> 0.191 ms; a
+    // mask with nothing to skip unchanged. The same scan over 128 rows, 2-byte loads one after
+    // another, took 10 % of the forward, and Q issued before the scan made it slower still
+    // (+6 %).
+    const uint8_t* m0 = reinterpret_cast<const uint8_t*>(p.mask.data) + lead_off(p, p.mask, lead);
     if (p.mask.row == 0) {
-      const uint8_t* m0 = reinterpret_cast<const uint8_t*>(p.mask.data) + lead_off(p, p.mask, lead);
       while (n_tiles > 0) {
         const int64_t j0 = static_cast<int64_t>(n_tiles - 1) * kBN;
         const int pairs = static_cast<int>((j_end - j0 + 1) / 2);  // S is even (forward_applies)
@@ -282,6 +283,44 @@ __global__ void __launch_bounds__(kThreads, 1)
           seen |= *reinterpret_cast<const uint16_t*>(m0 + j0 + 2 * c) != 0;
         if (__syncthreads_or(seen)) break;
         --n_tiles;
+      }
+    } else if (a.mask_vec16) {
+      // A mask with rows of its own (Hugging Face's (B, 1, L, S): causal and padding in one),
+      // 16-byte aligned: the CTA's rows of two tiles a step (2048 16-byte chunks, 6 a thread),
+      // every thread's loads issued together, so a step costs about one L2 round trip. A causal
+      // mask's upper triangle is then skipped as the causal kernel skips it. Not yet run on
+      // the GPU (session 27 had no device time left).
+      const int64_t rows = p.L - i0 < kBM ? p.L - i0 : kBM;
+      const uint8_t* mr = m0 + i0 * p.mask.row;
+      constexpr int kPerThread = (2 * kBM * kBN / 16 + kThreads - 1) / kThreads;
+      while (n_tiles > 0) {
+        // Tiles t_hi - 1 and t_hi (t_hi alone when it is tile 0): keys j_lo .. j_hi - 1.
+        const int t_hi = n_tiles - 1;
+        const int64_t j_lo = static_cast<int64_t>(t_hi > 0 ? t_hi - 1 : 0) * kBN;
+        const int64_t j_hi = j_end < static_cast<int64_t>(t_hi + 1) * kBN ? j_end : static_cast<int64_t>(t_hi + 1) * kBN;
+        const int chunks_row = static_cast<int>((j_hi - j_lo) / 16);  // S % 16 == 0 (mask_vec16)
+        const int chunks = static_cast<int>(rows) * chunks_row;     // at most 2048
+        uint4 v[kPerThread];
+#pragma unroll
+        for (int i = 0; i < kPerThread; ++i) {
+          const int idx = threadIdx.x + i * kThreads;
+          v[i] = idx < chunks ? *reinterpret_cast<const uint4*>(mr + (idx / chunks_row) * p.mask.row + j_lo +
+                                                                 (idx % chunks_row) * 16)
+                              : make_uint4(0, 0, 0, 0);
+        }
+        bool seen_hi = false, seen_lo = false;
+#pragma unroll
+        for (int i = 0; i < kPerThread; ++i) {
+          const int idx = threadIdx.x + i * kThreads;
+          const bool any = (v[i].x | v[i].y | v[i].z | v[i].w) != 0;
+          if (j_lo + (idx % chunks_row) * 16 >= static_cast<int64_t>(t_hi) * kBN) seen_hi |= any;
+          else seen_lo |= any;
+        }
+        if (__syncthreads_or(seen_hi)) break;
+        const bool lo = __syncthreads_or(seen_lo);
+        n_tiles = t_hi;  // tile t_hi hidden
+        if (lo) break;
+        if (n_tiles > 0) --n_tiles;  // tile t_hi - 1 hidden as well
       }
     }
   }
@@ -968,6 +1007,7 @@ bool forward_for(const DevProblem& p, cudaStream_t stream) {
   MaskKind mask;
   if (!common_args(p, q, k, v, a, mask)) return false;
   a.p_vec8 = rows_vectorizable(p.probs, p.lead_ndim, p.S, 2, 8);
+  a.mask_vec16 = p.mask_is_bool && rows_vectorizable(p.mask, p.lead_ndim, p.S, 1, 16);
   a.p_tma = make_map(&pm, p, p.probs, p.L, p.S, 64, a.p);
   launch_for_head<false, T>(q, k, v, pm, p, a, StatsArgs{}, mask, stream);
   return true;
