@@ -573,6 +573,46 @@ __global__ void __launch_bounds__(kThreads, 1)
   float o[D / 2];
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
+  // P through shared memory (a.p_tma), in three steps both pass-2 loops take: the tile's buffer
+  // free (its TMA store kPBuffers tiles ago has read it: all but the kPBuffers - 1 most recent bulk
+  // groups, one a tile, have); P = u / l into it by stmatrix, 16 rows x 16 keys (four 8 x 8
+  // matrices) an instruction at the addresses p_addr precomputed, each u pair also handed to
+  // `keep` (n2, nb, r, u0, u1) for the products; the tile to global memory (TMA clips it at L and
+  // S) while the products run.
+  auto p_buffer_free = [&] {
+    if (p_leader) bulk_wait_read<C::kPBuffers - 1>();
+    named_barrier(p_bar, 128);
+    FWD_STAMP(trace::kP2PFree);
+  };
+  auto p_to_smem = [&](const float (&s)[kBN / 2], float mul, int p_buf, auto&& keep) {
+#pragma unroll
+    for (int n2 = 0; n2 < kBN / 16; ++n2) {
+      uint32_t pr[4];
+#pragma unroll
+      for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int n = 2 * n2 + nb;
+          const float u0 = exp_from<kNatural>(s[4 * n + 2 * r], mul, m[r]);
+          const float u1 = exp_from<kNatural>(s[4 * n + 2 * r + 1], mul, m[r]);
+          keep(n2, nb, r, u0, u1);
+          pr[nb * 2 + r] = pack2<T>(u0 * inv_l[r], u1 * inv_l[r]);
+        }
+      stmatrix_x4(p_addr[n2 % 4] + (p_buf * (kBN / 64) + n2 / 4) * 64 * 64 * 2, pr[0], pr[1], pr[2], pr[3]);
+    }
+  };
+  auto p_tile_out = [&](int p_buf, int64_t j0) {
+    FWD_STAMP(trace::kP2PStaged);
+    fence_proxy_async();
+    named_barrier(p_bar, 128);
+    if (p_leader) {
+#pragma unroll
+      for (int b = 0; b < kBN / 64; ++b)
+        tma_store_5d(&tm_p, p_tile + (p_buf * (kBN / 64) + b) * 64 * 64, static_cast<int>(j0) + b * 64,
+                     static_cast<int>(i0) + cw * 64, cp[0], cp[1], cp[2]);
+      bulk_commit();
+    }
+  };
   if constexpr (kOverlap) {
     // Pass 2 in FlashAttention 3's order: one turn a tile issues S of tile n and then u V of tile
     // n - 1, and the warpgroup waits only for the first (wait_group 1: groups complete in order),
@@ -594,35 +634,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int keys = static_cast<int>(p.S - j0 < kBN ? p.S - j0 : kBN);
       const int p_buf = nt % C::kPBuffers;
       if (a.p_tma) {
-        if (p_leader) bulk_wait_read<C::kPBuffers - 1>();
-        named_barrier(p_bar, 128);
-        FWD_STAMP(trace::kP2PFree);
-#pragma unroll
-        for (int n2 = 0; n2 < kBN / 16; ++n2) {
-          uint32_t pr[4];
-#pragma unroll
-          for (int nb = 0; nb < 2; ++nb)
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-              const int n = 2 * n2 + nb;
-              const float u0 = exp_from<kNatural>(s[4 * n + 2 * r], mul, m[r]);
-              const float u1 = exp_from<kNatural>(s[4 * n + 2 * r + 1], mul, m[r]);
-              s[4 * n + 2 * r] = u0;
-              s[4 * n + 2 * r + 1] = u1;
-              pr[nb * 2 + r] = pack2<T>(u0 * inv_l[r], u1 * inv_l[r]);
-            }
-          stmatrix_x4(p_addr[n2 % 4] + (p_buf * (kBN / 64) + n2 / 4) * 64 * 64 * 2, pr[0], pr[1], pr[2], pr[3]);
-        }
-        FWD_STAMP(trace::kP2PStaged);
-        fence_proxy_async();
-        named_barrier(p_bar, 128);
-        if (p_leader) {
-#pragma unroll
-          for (int b = 0; b < kBN / 64; ++b)
-            tma_store_5d(&tm_p, p_tile + (p_buf * (kBN / 64) + b) * 64 * 64, static_cast<int>(j0) + b * 64,
-                         static_cast<int>(i0) + cw * 64, cp[0], cp[1], cp[2]);
-          bulk_commit();
-        }
+        p_buffer_free();
+        float (&u)[kBN / 2] = s;  // u replaces s in place, for pack_u after u V of the last tile
+        p_to_smem(s, mul, p_buf, [&](int n2, int nb, int r, float u0, float u1) {
+          u[4 * (2 * n2 + nb) + 2 * r] = u0;
+          u[4 * (2 * n2 + nb) + 2 * r + 1] = u1;
+        });
+        p_tile_out(p_buf, j0);
       } else {
 #pragma unroll
         for (int n = 0; n < kBN / 8; ++n)
@@ -760,32 +778,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     // This key tile's P buffer; its last TMA store (kPBuffers tiles ago) has read it before it is
     // rewritten: all but the kPBuffers - 1 most recent bulk groups (one a tile) have.
     const int p_buf = nt % C::kPBuffers;
-    if (!STATS && a.p_tma) {
-      if (p_leader) bulk_wait_read<C::kPBuffers - 1>();
-      named_barrier(p_bar, 128);
-      FWD_STAMP(trace::kP2PFree);
-    }
+    if (!STATS && a.p_tma) p_buffer_free();
     uint32_t u_frag[kBN / 16][4];
     float col[STATS ? kBN / 4 : 1];  // this thread's two rows of P summed: keys 8n + 2t (+1) at 2n (+1)
     if (!STATS && a.p_tma) {
-      // P into the warpgroup's swizzled tile, 16 rows x 16 keys (four 8 x 8 matrices) a stmatrix
-      // at the addresses p_addr precomputed: no address arithmetic or branch per pair.
-#pragma unroll
-      for (int n2 = 0; n2 < kBN / 16; ++n2) {
-        uint32_t pr[4];
-#pragma unroll
-        for (int nb = 0; nb < 2; ++nb)
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const int n = 2 * n2 + nb;
-            const float u0 = exp_from<kNatural>(s[4 * n + 2 * r], mul, m[r]);
-            const float u1 = exp_from<kNatural>(s[4 * n + 2 * r + 1], mul, m[r]);
-            // A fragment of k-step n2: {row g, keys 2t..} {row g+8, 2t..} {g, 2t+8..} {g+8, 2t+8..}.
-            u_frag[n2][nb * 2 + r] = pack2<T>(u0, u1);
-            pr[nb * 2 + r] = pack2<T>(u0 * inv_l[r], u1 * inv_l[r]);
-          }
-        stmatrix_x4(p_addr[n2 % 4] + (p_buf * (kBN / 64) + n2 / 4) * 64 * 64 * 2, pr[0], pr[1], pr[2], pr[3]);
-      }
+      // A fragment of k-step n2: {row g, keys 2t..} {row g+8, 2t..} {g, 2t+8..} {g+8, 2t+8..}.
+      p_to_smem(s, mul, p_buf, [&](int n2, int nb, int r, float u0, float u1) {
+        u_frag[n2][nb * 2 + r] = pack2<T>(u0, u1);
+      });
     } else {
 #pragma unroll
       for (int n = 0; n < kBN / 8; ++n)
@@ -814,18 +814,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
     }
-    if (!STATS && a.p_tma) {  // the tile to global memory (TMA clips it at L and S), while the products run
-      FWD_STAMP(trace::kP2PStaged);
-      fence_proxy_async();
-      named_barrier(p_bar, 128);
-      if (p_leader) {
-#pragma unroll
-        for (int b = 0; b < kBN / 64; ++b)
-          tma_store_5d(&tm_p, p_tile + (p_buf * (kBN / 64) + b) * 64 * 64, static_cast<int>(j0) + b * 64, static_cast<int>(i0) + cw * 64, cp[0],
-                       cp[1], cp[2]);
-        bulk_commit();
-      }
-    }
+    if (!STATS && a.p_tma) p_tile_out(p_buf, j0);
     FWD_STAMP(trace::kP2Written);
     mbar_wait(&v_full[v_stage], (nt / C::kVStages) & 1);
     FWD_STAMP(trace::kP2VFull);
