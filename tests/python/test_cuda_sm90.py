@@ -68,6 +68,50 @@ def test_sm90_forward_masked(dtype, mask_kind, layout):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+@pytest.mark.parametrize("kind", ["bool", "same", "float32"])
+def test_sm90_mask_tiles_left_out_only_where_neutral(dtype, kind):
+    """A warp leaves a tile's mask out when its pairs change no logit of the warp (every key
+    visible, or every value +-0). One element is enough to make a tile masked: a single hidden
+    key (or a single nonzero value, -inf, or NaN) at one row of one warp,
+    in each of several tiles, rows and key columns, with -0.0 elsewhere in the float forms. A
+    byte of 2 in a bool mask is a visible key that the tile test does not take for one: the tile
+    then takes the masked path, with the same P. A row of a float mask held at finfo.min gives
+    the reference's P (an fp16 mask is taken in base-2 units, the others in natural units)."""
+    B, H, L, S, E = 2, 2, 256, 512, 128
+    gen = torch.Generator(device="cuda").manual_seed(47)
+    q, k, v = (torch.randn(B, H, n, E, generator=gen, device="cuda").to(dtype) for n in (L, S, S))
+    spots = [(0, 0, 0), (0, 17, 131), (0, 77, 255), (1, 130, 256), (1, 255, 511), (1, 64, 383)]  # (b, row, key)
+    if kind == "bool":
+        mask = torch.ones(B, 1, L, S, dtype=torch.uint8, device="cuda")
+        for b, i, j in spots:
+            mask[b, 0, i, j] = 0
+        mask[0, 0, 200, 300] = 2  # visible
+        mask = mask.view(torch.bool)
+    else:
+        mdt = dtype if kind == "same" else torch.float32
+        mask = torch.full((B, 1, L, S), -0.0, dtype=mdt, device="cuda")
+        for (b, i, j), val in zip(spots, [0.5, -0.75, float("-inf"), 2.0, -3.0, float("-inf")]):
+            mask[b, 0, i, j] = val
+        mask[1, 0, 10, 20] = float("nan")  # that row is NaN
+        mask[0, 0, 5] = torch.finfo(mdt).min  # a row held at the lowest: still finite logits
+    (out, probs), names = cuda_kernels(lambda: sdpa_math.attention(q, k, v, mask))
+    assert any("forward_sm90" in n for n in names), names
+    if kind == "bool":
+        ref_out, ref_p, _ = reference(q, k, v, mask.view(torch.uint8) != 0, False, E ** -0.5, False)
+        assert all((probs[b, :, i, j] == 0).all() for b, i, j in spots)
+        assert (probs[0, :, 200, 300] > 0).all()
+    else:
+        assert probs[1, :, 10].isnan().all() and out[1, :, 10].isnan().all()
+        mask[1, 0, 10, 20] = 0.0  # the NaN row checked: the rest against the reference
+        ref_out, ref_p, _ = reference(q, k, v, mask, False, E ** -0.5, False)
+        probs[1, :, 10], out[1, :, 10] = ref_p[1, :, 10], ref_out[1, :, 10]
+        assert (probs[0, :, 77, 255] == 0).all() and (probs[1, :, 64, 383] == 0).all()
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(probs.double(), ref_p, rtol=rtol, atol=atol)
+    torch.testing.assert_close(out.double(), ref_out, rtol=rtol * 5, atol=atol * 20)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
 @pytest.mark.parametrize("form,S", [("b11s", 700), ("b1ls", 700), ("b1ls", 704), ("causal_b1ls", 704)])
 def test_sm90_padded_key_tiles(dtype, form, S):
     """Bool masks that hide whole 128-key tiles at the end of some CTAs' rows: the kernel stops

@@ -173,8 +173,8 @@ SDPA_MATH_D void column_sums(float (&col)[kBN / 4], float* buf, int warp, int la
 enum class MaskKind : int { None, Bool, Same /* the inputs' dtype */, Float32 };
 
 // Two neighbouring mask elements (keys j, j + 1) as one load, and element e of them applied to
-// a scaled score x.
-template <typename T, MaskKind M>
+// a scaled score x (BASE2: x in base-2 units, a float mask's value times log2 e).
+template <typename T, MaskKind M, bool BASE2>
 struct MaskPair {
   using Raw = std::conditional_t<M == MaskKind::Bool, uint16_t, std::conditional_t<M == MaskKind::Same, uint32_t, float2>>;
   static constexpr int kBytes = M == MaskKind::Bool ? 1 : M == MaskKind::Same ? 2 : 4;  // per element
@@ -183,8 +183,29 @@ struct MaskPair {
   // s27-v102). A float mask is added, as the math op adds it.
   static SDPA_MATH_D float apply(float x, const Raw& raw, int e) {
     if constexpr (M == MaskKind::Bool) return ((raw >> (8 * e)) & 0xFF) ? x : -INFINITY;
-    else if constexpr (M == MaskKind::Same) return x + to_float<T>(reinterpret_cast<const T*>(&raw)[e]);
-    else return x + (e ? raw.y : raw.x);
+    else if constexpr (M == MaskKind::Same) {
+      const float v = to_float<T>(reinterpret_cast<const T*>(&raw)[e]);
+      return BASE2 ? fmaf(v, 1.4426950408889634f, x) : x + v;
+    } else {
+      const float v = e ? raw.y : raw.x;
+      return BASE2 ? fmaf(v, 1.4426950408889634f, x) : x + v;
+    }
+  }
+  // Folds a pair into acc, which starts at kNeutralStart; neutral(acc): every pair folded leaves
+  // its logits as they are (bool: both keys visible; float: both +0 or -0). Bool bytes are 0 or
+  // 1 in torch, and a byte without its low bit only makes the test fail, so a tile is never
+  // taken for visible when it is not. A NaN or any nonzero float fails the test too.
+  using Acc = uint32_t;
+  static constexpr Acc kNeutralStart = M == MaskKind::Bool ? 0xFFFFFFFFu : 0u;
+  static SDPA_MATH_D Acc fold_in(Acc acc, const Raw& raw) {
+    if constexpr (M == MaskKind::Bool) return acc & raw;
+    else if constexpr (M == MaskKind::Same) return acc | raw;
+    else return acc | __float_as_uint(raw.x) | __float_as_uint(raw.y);
+  }
+  static SDPA_MATH_D bool neutral(Acc acc) {
+    if constexpr (M == MaskKind::Bool) return (acc & 0x0101u) == 0x0101u;
+    else if constexpr (M == MaskKind::Same) return (acc & 0x7FFF7FFFu) == 0;
+    else return (acc & 0x7FFFFFFFu) == 0;
   }
 };
 
@@ -209,11 +230,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   // forward: prefill1k_d128 -2.5 %, gqa1k_d128 -4 % (run s26-v93). Head 64 lost 1-2 % with it and
   // keeps one product per turn; so do the statistics kernel (its column sums hold u's registers
   // longer) and the masked kernels (with the mask's pairs live as well they spill: fp32 mask,
-  // head 128, 940 bytes).
+  // head 128, 940 bytes; with the pairs loaded a tile ahead, session 28, bool 156 and fp16 64).
   constexpr bool kOverlap = !STATS && !kMasked && D == 128;
-  // Logits in natural units only where a mask value can be near a float's lowest: a row held at
-  // finfo.min would overflow fp32 in base 2. A bool mask adds 0 or -inf, which base 2 takes as is.
-  constexpr bool kNatural = MASK == MaskKind::Same || MASK == MaskKind::Float32;
+  // Logits in natural units only where a mask value can be near fp32's lowest (an fp32 or bf16
+  // mask): a row held at finfo.min would overflow fp32 in base 2. A bool mask selects -inf,
+  // which base 2 takes as is, and an fp16 mask's lowest (-65504) is 94500 in base 2: those are in
+  // base-2 units, so their tiles whose pairs are neutral fold the scale as unmasked ones do (an
+  // exponent one multiply-add, not a subtract and a multiply).
+  constexpr bool kNatural = (MASK == MaskKind::Same && !std::is_same_v<T, __half>) || MASK == MaskKind::Float32;
   constexpr float kNegInf = -INFINITY;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* base = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -392,7 +416,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       p_row[r] = P + row[r] * p.probs.row;
     }
   }
-  using Mask = MaskPair<T, MASK == MaskKind::None ? MaskKind::Bool : MASK>;
+  using Mask = MaskPair<T, MASK == MaskKind::None ? MaskKind::Bool : MASK, !kNatural>;
   const char* m_row[2] = {nullptr, nullptr};
   if constexpr (kMasked) {
     const int64_t esize = Mask::kBytes;
@@ -412,10 +436,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   map_coords(a.p, lead, cp);
 
   // A tile needs index checks when it runs past the keys or crosses this warp's causal diagonal.
-  // Clean tiles of unmasked problems with a positive scale skip the logits pass: the scale folds
-  // into the max (max(s) · scale) and into the exponent's multiply-add.
+  // Clean tiles in base-2 units with a positive scale skip the scaling: the scale folds into the
+  // max (max(s) · scale) and into the exponent's multiply-add. A bool mask selects -inf in place
+  // of the raw score (one select an element, as the add it replaced; the select after a multiply
+  // cost 10 % on masked prefill1k_d128, run s28-v103); a tile an fp16 mask changes is scaled.
   auto tile_is_clean = [&](int64_t j0) { return j0 + kBN <= p.S && (!p.causal || j0 + kBN - 1 <= warp_row0); };
-  const bool fold = !kMasked && a.fold;
+  const bool fold = !kNatural && a.fold;
   // Ping-pong: the two warpgroups take turns to issue their products (named barriers 3 and 4), so
   // one's softmax runs while the other's products occupy the tensor cores instead of both
   // drifting into lockstep on the same tiles. Warpgroup 0 goes first. Turns a CTA takes: pass 1
@@ -429,12 +455,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   if (cw == 1 && turns > 0) named_barrier_arrive(3, 256);
 
-  // The mask's pairs for this thread's elements of the tile at key j0, loaded while the tile's
-  // products run (rows unit-stride and pair-aligned: forward_applies). Rows past L read row 0's
-  // (their logits are never used), so a clean tile's pairs are all loaded. (A mask broadcast over
-  // rows loads the same pairs twice, from L1: copying row 0's instead makes each copy wait for its
-  // load, 16 waits a tile, 1.5x the masked kernel's time, session 18.)
-  typename Mask::Raw mask_pairs[kMasked ? kBN / 8 : 1][2];
+  // The mask's pairs for this thread's elements of the tile at key j0 (rows unit-stride and
+  // pair-aligned: forward_applies). Rows past L read row 0's (their logits are never used), so a
+  // clean tile's pairs are all loaded. A tile's pairs are loaded as soon as the last tile's are
+  // used (to_logits), so they have that tile's softmax, the wait for K and the products to
+  // arrive: loaded after the products were issued, their wait was a third of the stalls of a
+  // forward with a (B, 1, L, S) mask (ncu, run s28-v105). (A mask broadcast over rows loads the
+  // same pairs twice, from L1: copying row 0's instead makes each copy wait for its load, 16
+  // waits a tile, 1.5x the masked kernel's time, session 18.)
+  typename Mask::Raw mask_pairs[kMasked ? kBN / 8 : 1][2] = {};
   auto load_mask = [&](int64_t j0) {
     if constexpr (kMasked) {
       const int keys = static_cast<int>(p.S - j0 < kBN ? p.S - j0 : kBN);
@@ -448,8 +477,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
     }
   };
-  // S = Q Kᵀ for this warpgroup's rows and the stage's keys (raw dot products), in its turn; the
-  // mask's values for the tile at j0 arrive meanwhile.
   // S = Q Kᵀ of the stage's keys into s: issued and committed, not waited for (inside a turn).
   auto issue_scores = [&](float (&s)[kBN / 2], const T* k_tile) {
     wgmma_fence();
@@ -461,29 +488,44 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     wgmma_commit();
   };
-  auto scores = [&](float (&s)[kBN / 2], int stage, int64_t j0) {
+  // S = Q Kᵀ for this warpgroup's rows and the stage's keys (raw dot products), in its turn.
+  auto scores = [&](float (&s)[kBN / 2], int stage) {
     fence_regs(s);
     turn_begin();
     FWD_STAMP(trace_pass2 ? trace::kP2Turn : trace::kP1Turn);
     issue_scores(s, sK + stage * kBN * D);
     turn_end();
-    load_mask(j0);
     wgmma_wait<0>();
     fence_regs(s);
     FWD_STAMP(trace_pass2 ? trace::kP2Done : trace::kP1Done);
   };
   // Scores to logits in place: scaled, masked, -inf where hidden (past S, causal, a false mask
   // entry, a padding row). `clean` tiles skip the index checks (rows past L then get finite
-  // logits, which nothing reads: their P, O, lse and statistics are never stored).
-  auto to_logits = [&](float (&s)[kBN / 2], int64_t j0, bool clean) {
-    if (clean) {
+  // logits, which nothing reads: their P, O, lse and statistics are never stored); `raw` ones
+  // (clean, the scale folded) keep raw scores; `masked` false: the mask is left out (its pairs
+  // change no logit of the tile).
+  auto logits = [&](float (&s)[kBN / 2], int64_t j0, bool clean, bool raw, bool masked) {
+    if (raw) {  // a bool mask's select alone
+      if constexpr (MASK == MaskKind::Bool) {
+        if (masked) {
 #pragma unroll
-      for (int n = 0; n < kBN / 8; ++n)
+          for (int n = 0; n < kBN / 8; ++n)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          if constexpr (kMasked) s[4 * n + c] = Mask::apply(s[4 * n + c] * scale, mask_pairs[n][c >> 1], c & 1);
-          else s[4 * n + c] *= scale;
+            for (int c = 0; c < 4; ++c) s[4 * n + c] = Mask::apply(s[4 * n + c], mask_pairs[n][c >> 1], c & 1);
         }
+      }
+      return;
+    }
+    if (clean) {
+      if (kMasked && masked) {
+#pragma unroll
+        for (int n = 0; n < kBN / 8; ++n)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) s[4 * n + c] = Mask::apply(s[4 * n + c] * scale, mask_pairs[n][c >> 1], c & 1);
+      } else {
+#pragma unroll
+        for (int i = 0; i < kBN / 2; ++i) s[i] *= scale;
+      }
       return;
     }
     // Keys visible to each row: columns < limit[r] of the tile.
@@ -500,13 +542,29 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int c = 0; c < 4; ++c) {
         const int r = c >> 1, jj = n * 8 + 2 * t + (c & 1);
         float x = s[4 * n + c] * scale;
-        if constexpr (kMasked) {
-          if (jj < limit[r]) x = Mask::apply(x, mask_pairs[n][r], c & 1);
-        }
+        if (kMasked && masked && jj < limit[r]) x = Mask::apply(x, mask_pairs[n][r], c & 1);
         s[4 * n + c] = jj < limit[r] ? x : kNegInf;
       }
   };
+  // The same, the mask's part decided for the warp: a tile whose pairs leave every logit of the
+  // warp as it is (all keys visible, or all zero) is taken as unmasked, so 7 of 8 tiles of a
+  // padding mask on 1k keys skip the per-element work. Then the pairs of the tile at `next` are
+  // loaded (none when next < 0). Returns whether s was left raw (the scale still to apply).
+  auto to_logits = [&](float (&s)[kBN / 2], int64_t j0, bool clean, bool raw, int64_t next) {
+    bool masked = false;
+    if constexpr (kMasked) {
+      typename Mask::Acc acc = Mask::kNeutralStart;
+#pragma unroll
+      for (int n = 0; n < kBN / 8; ++n) acc = Mask::fold_in(Mask::fold_in(acc, mask_pairs[n][0]), mask_pairs[n][1]);
+      masked = !__all_sync(0xffffffffu, Mask::neutral(acc));
+    }
+    raw = raw && (MASK == MaskKind::None || MASK == MaskKind::Bool || !masked);  // float values add to scaled scores
+    logits(s, j0, clean, raw, masked);
+    if (next >= 0) load_mask(next);
+    return raw;
+  };
 
+  load_mask(0);  // the first tile's pairs, for pass 1 (or pass 2 of a one-pass CTA)
   mbar_wait(q_full, 0);
   FWD_STAMP(trace::kStart);
 
@@ -520,10 +578,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     FWD_STAMP(trace::kP1KFull);
     float s[kBN / 2];
     const int64_t j0 = static_cast<int64_t>(nt) * kBN;
-    scores(s, stage, j0);
+    scores(s, stage);
     if (lane == 0) mbar_arrive(&k_empty[stage]);
-    const bool raw = fold && tile_is_clean(j0);
-    if (!raw) to_logits(s, j0, tile_is_clean(j0));
+    const bool clean = tile_is_clean(j0);
+    const bool raw = to_logits(s, j0, clean, fold && clean, nt + 1 < n_tiles ? j0 + kBN : 0);  // after the last: pass 2's first
     const float mul = raw ? scale : 1.0f;  // logit = s · mul
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -628,8 +686,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     auto softmax_and_p = [&](float (&s)[kBN / 2], int nt) {
       const int64_t j0 = static_cast<int64_t>(nt) * kBN;
       if (lane == 0) mbar_arrive(&k_empty[kt % C::kKStages]);
-      const bool clean = tile_is_clean(j0), raw = fold && clean;
-      if (!raw) to_logits(s, j0, clean);
+      const bool clean = tile_is_clean(j0);
+      const bool raw = to_logits(s, j0, clean, fold && clean, -1);  // unmasked (kOverlap): no pairs to load
       const float mul = raw ? scale : 1.0f;
       const int keys = static_cast<int>(p.S - j0 < kBN ? p.S - j0 : kBN);
       const int p_buf = nt % C::kPBuffers;
@@ -693,7 +751,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       FWD_STAMP(trace::kP2Turn);
       issue_scores(s, sK + (kt % C::kKStages) * kBN * D);
       turn_end();
-      load_mask(0);
       wgmma_wait<0>();
       fence_regs(s);
       FWD_STAMP(trace::kP2Done);
@@ -714,7 +771,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       issue_scores(s, sK + (kt % C::kKStages) * kBN * D);
       issue_pv(nt);
       turn_end();
-      load_mask(static_cast<int64_t>(nt) * kBN);
       wgmma_wait<1>();  // S of this tile; u V of the last may still run
       fence_regs(s);
       FWD_STAMP(trace::kP2Done);
@@ -744,10 +800,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     FWD_STAMP(trace::kP2KFull);
     float s[kBN / 2];
     const int64_t j0 = static_cast<int64_t>(nt) * kBN;
-    scores(s, stage, j0);
+    scores(s, stage);
     if (lane == 0) mbar_arrive(&k_empty[stage]);
-    const bool clean = tile_is_clean(j0), raw = fold && clean;
-    if (!raw) to_logits(s, j0, clean);
+    const bool clean = tile_is_clean(j0);
+    const bool raw = to_logits(s, j0, clean, fold && clean, nt + 1 < n_tiles ? j0 + kBN : -1);
     const float mul = raw ? scale : 1.0f;
     const int keys = static_cast<int>(p.S - j0 < kBN ? p.S - j0 : kBN);  // P columns of this tile
     if constexpr (STATS) {
