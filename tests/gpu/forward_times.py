@@ -54,8 +54,12 @@ def main():
             pad[..., S - 100:] = torch.finfo(dtype).min
             keypad = torch.ones(B, 1, 1, S, device="cuda", dtype=torch.bool)
             keypad[..., S - 100:] = False
+            # Hugging Face's causal-and-padding mask as one (B, 1, L, S) bool tensor, the last 100 keys padded
+            ar = torch.arange(S, device="cuda")
+            hf = ((ar <= torch.arange(L, device="cuda")[:, None]) & (ar < S - 100)).expand(B, 1, L, S).contiguous()
             t = lambda x: x.transpose(1, 2).contiguous().transpose(1, 2)  # noqa: E731 (B, L, H, E) storage
-            variants.update({"+fmask": (q, k, v, pad), "+keypad": (q, k, v, keypad), "+blhe": (t(q), t(k), t(v), None)})
+            variants.update({"+fmask": (q, k, v, pad), "+keypad": (q, k, v, keypad), "+hfmask": (q, k, v, hf),
+                             "+blhe": (t(q), t(k), t(v), None)})
         for suffix, (qq, kk, vv, m) in variants.items():
             ms = median_ms(lambda: sdpa_math.attention(qq, kk, vv, m, 0.0, causal, enable_gqa=gqa))
             p_bytes = B * H * L * S * qq.element_size()

@@ -37,6 +37,10 @@ def run(dtype, B, Hq, Hkv, L, S, E, Ev, causal=False, mask=None, dropout=0.0, tr
         m[1] = False
     elif mask == "keypad":  # (B, 1, 1, S), batch b's last b * S / 2 keys hidden (whole tiles skipped)
         m = (torch.arange(S, device="cuda") < S - torch.arange(B, device="cuda")[:, None] * S // 2)[:, None, None]
+    elif mask == "causal_pad":  # (B, 1, L, S) bool, causal and padding in one (Hugging Face's): rows scanned
+        keys = torch.arange(S, device="cuda")
+        valid = S - torch.arange(B, device="cuda") * S // 2
+        m = ((keys <= torch.arange(L, device="cuda")[:, None]) & (keys < valid[:, None, None]))[:, None].contiguous()
     out, probs = sdpa_math.attention(q, k, v, m, dropout, causal, enable_gqa=Hq != Hkv)
     leaves = [q, k, v] + ([m] if m is not None and m.is_floating_point() else [])
     torch.autograd.grad((out, probs), leaves, (torch.randn_like(out), torch.randn_like(probs)))
@@ -102,6 +106,7 @@ def main():
         run(dtype, 2, 4, 2, 130, 200, 80, 80, blhe=True, causal=True)      # sm90: views, GQA, causal
         run(dtype, 2, 2, 2, 129, 140, 128, 96, mask="bool", blhe=True)     # sm90: bool mask, Ev != E
         run(dtype, 3, 2, 2, 200, 600, 64, 64, mask="keypad")               # sm90: padded key tiles skipped
+        run(dtype, 2, 2, 2, 300, 640, 128, 128, mask="causal_pad")         # sm90: a per-row mask's scan
         run(dtype, 1, 3, 1, 100, 1100, 64, 64)                             # sm90 backward: P rows not 16-byte aligned
         run(dtype, 1, 2, 2, 65, 65, 128, 128, causal=True)
         run(dtype, 2, 4, 2, 33, 47, 96, 96, mask="float")

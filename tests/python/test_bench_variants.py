@@ -1,5 +1,6 @@
 """The harness's input-variant rows (sdpa_math.bench: a (B, 1, L, S) float mask, a (B, 1, 1, S)
-key-padding bool mask, q/k/v as transposed views of (B, L, H, E)): the sets that hold them, the
+key-padding bool mask, Hugging Face's causal-and-padding (B, 1, L, S) bool mask, q/k/v as
+transposed views of (B, L, H, E)): the sets that hold them, the
 inputs they build, and that every implementation the harness times gives, on those inputs, the
 O and P of a plain computation on contiguous, unmasked, unpadded inputs. Then one whole row on
 the CPU, as `bench run` times it."""
@@ -25,12 +26,13 @@ def _variant(name):
 
 def test_the_sets_hold_the_variant_rows_with_their_base():
     names = [s.name for s in bench.SETS["variants"]("cuda")]
-    assert names == ["prefill1k_d128", "prefill1k_d128_fmask", "prefill1k_d128_kpad", "prefill1k_d128_blhe"]
+    assert names == ["prefill1k_d128", "prefill1k_d128_fmask", "prefill1k_d128_kpad", "prefill1k_d128_hfmask",
+                     "prefill1k_d128_blhe"]
     anchors_variants = [s.name for s in bench.SETS["anchors+variants"]("cuda")]
     assert anchors_variants == [s.name for s in bench.ANCHORS] + names[1:]
     assert [s.name for s in bench.SETS["variants"]("cpu")][0] == "cpu_512_d64"
-    assert [s.name for s in bench.SETS["cpu+variants"]("cpu")][-3:] == [
-        "cpu_512_d64_fmask", "cpu_512_d64_kpad", "cpu_512_d64_blhe"]
+    assert [s.name for s in bench.SETS["cpu+variants"]("cpu")][-4:] == [
+        "cpu_512_d64_fmask", "cpu_512_d64_kpad", "cpu_512_d64_hfmask", "cpu_512_d64_blhe"]
     for s in bench.SETS["variants"]("cuda")[1:]:
         assert (s.B, s.Hq, s.Hkv, s.L, s.S, s.D, s.causal) == (4, 16, 16, 1024, 1024, 128, False)
         assert s.base_name() == "prefill1k_d128"
@@ -56,6 +58,13 @@ def test_variant_inputs(dtype):
     assert mask.shape == (4, 1, 1, 24) and mask.dtype == torch.bool
     assert (~mask).sum(dim=-1).flatten().tolist() == pads
 
+    q, k, v, mask = make_inputs(_variant("hfmask"), dtype, "cpu")
+    assert all(torch.equal(a, b) for a, b in zip((q, k, v), (q0, k0, v0)))
+    assert mask.shape == (4, 1, 16, 24) and mask.dtype == torch.bool and mask.is_contiguous()
+    for b, n in enumerate(pads):
+        for i in range(TINY.L):  # row i: keys 0..i, but none of the padded ones
+            assert mask[b, 0, i].nonzero().flatten().tolist() == list(range(min(i + 1, TINY.S - n)))
+
     q, k, v, mask = make_inputs(_variant("blhe"), dtype, "cpu")
     assert mask is None
     for t, n in ((q, TINY.L), (k, TINY.S), (v, TINY.S)):
@@ -68,10 +77,11 @@ def _expected(s, q, k, v):
     only (no mask at all); P is zero on the padded keys."""
     scale = 1.0 / math.sqrt(s.D)
     outs, probs = [], []
-    for b, pad in enumerate(s.padded_keys() if s.variant in ("fmask", "kpad") else [0] * s.B):
+    for b, pad in enumerate(s.padded_keys() if s.variant in bench.MASKED_VARIANTS else [0] * s.B):
         n = s.S - pad
+        causal = s.causal or s.variant == "hfmask"  # top left, as the mask has it
         o, p = aten_math(q[b:b + 1].contiguous().double(), k[b:b + 1, :, :n].contiguous().double(),
-                         v[b:b + 1, :, :n].contiguous().double(), None, 0.0, s.causal, scale=scale)
+                         v[b:b + 1, :, :n].contiguous().double(), None, 0.0, causal, scale=scale)
         outs.append(o)
         probs.append(torch.nn.functional.pad(p, (0, pad)))
     return torch.cat(outs), torch.cat(probs), scale
@@ -87,7 +97,7 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("variant", ["fmask", "kpad", "blhe"])
+@pytest.mark.parametrize("variant", ["fmask", "kpad", "hfmask", "blhe"])
 def test_every_implementation_sees_the_variant(impls, variant, dtype):
     s = _variant(variant)
     q, k, v, mask = make_inputs(s, dtype, "cpu")

@@ -68,26 +68,75 @@ def test_sm90_forward_masked(dtype, mask_kind, layout):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=ids)
-@pytest.mark.parametrize("form", ["b11s", "b1ls"])
-def test_sm90_padded_key_tiles(dtype, form):
-    """A key-padding mask (B, 1, 1, S) that hides whole 128-key tiles at the end of some batches:
-    the kernel stops before them and writes their P as the causal tail's zeros. Batches with 700,
-    450, 256 and 0 visible keys (a whole tile and a part, exactly two tiles, nothing: P = O = 0,
-    lse = -inf). The (B, 1, L, S) form (rows past 128 see 200 more keys than the first row
-    block) is not scanned and must give the same. NaN keys in skipped tiles change nothing
+@pytest.mark.parametrize("kind", ["bool", "same", "float32"])
+def test_sm90_mask_tiles_left_out_only_where_neutral(dtype, kind):
+    """A warp leaves a tile's mask out when its pairs change no logit of the warp (every key
+    visible, or every value +-0). One element is enough to make a tile masked: a single hidden
+    key (or a single nonzero value, -inf, or NaN) at one row of one warp,
+    in each of several tiles, rows and key columns, with -0.0 elsewhere in the float forms. A
+    byte of 2 in a bool mask is a visible key that the tile test does not take for one: the tile
+    then takes the masked path, with the same P. A row of a float mask held at finfo.min gives
+    the reference's P (an fp16 mask is taken in base-2 units, the others in natural units)."""
+    B, H, L, S, E = 2, 2, 256, 512, 128
+    gen = torch.Generator(device="cuda").manual_seed(47)
+    q, k, v = (torch.randn(B, H, n, E, generator=gen, device="cuda").to(dtype) for n in (L, S, S))
+    spots = [(0, 0, 0), (0, 17, 131), (0, 77, 255), (1, 130, 256), (1, 255, 511), (1, 64, 383)]  # (b, row, key)
+    if kind == "bool":
+        mask = torch.ones(B, 1, L, S, dtype=torch.uint8, device="cuda")
+        for b, i, j in spots:
+            mask[b, 0, i, j] = 0
+        mask[0, 0, 200, 300] = 2  # visible
+        mask = mask.view(torch.bool)
+    else:
+        mdt = dtype if kind == "same" else torch.float32
+        mask = torch.full((B, 1, L, S), -0.0, dtype=mdt, device="cuda")
+        for (b, i, j), val in zip(spots, [0.5, -0.75, float("-inf"), 2.0, -3.0, float("-inf")]):
+            mask[b, 0, i, j] = val
+        mask[1, 0, 10, 20] = float("nan")  # that row is NaN
+        mask[0, 0, 5] = torch.finfo(mdt).min  # a row held at the lowest: still finite logits
+    (out, probs), names = cuda_kernels(lambda: sdpa_math.attention(q, k, v, mask))
+    assert any("forward_sm90" in n for n in names), names
+    if kind == "bool":
+        ref_out, ref_p, _ = reference(q, k, v, mask.view(torch.uint8) != 0, False, E ** -0.5, False)
+        assert all((probs[b, :, i, j] == 0).all() for b, i, j in spots)
+        assert (probs[0, :, 200, 300] > 0).all()
+    else:
+        assert probs[1, :, 10].isnan().all() and out[1, :, 10].isnan().all()
+        mask[1, 0, 10, 20] = 0.0  # the NaN row checked: the rest against the reference
+        ref_out, ref_p, _ = reference(q, k, v, mask, False, E ** -0.5, False)
+        probs[1, :, 10], out[1, :, 10] = ref_p[1, :, 10], ref_out[1, :, 10]
+        assert (probs[0, :, 77, 255] == 0).all() and (probs[1, :, 64, 383] == 0).all()
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(probs.double(), ref_p, rtol=rtol, atol=atol)
+    torch.testing.assert_close(out.double(), ref_out, rtol=rtol * 5, atol=atol * 20)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+@pytest.mark.parametrize("form,S", [("b11s", 700), ("b1ls", 700), ("b1ls", 704), ("causal_b1ls", 704)])
+def test_sm90_padded_key_tiles(dtype, form, S):
+    """Bool masks that hide whole 128-key tiles at the end of some CTAs' rows: the kernel stops
+    before them and writes their P as the causal tail's zeros. Batches with 700 (all), 450, 256
+    and 0 visible keys (a whole tile and a part, exactly two tiles, nothing: P = O = 0, lse =
+    -inf). b11s: a key-padding mask (B, 1, 1, S). b1ls: (B, 1, L, S), rows past 128 seeing 200
+    more keys than the first row block, so CTAs of one head stop at different tiles; with S = 704
+    its rows are 16-byte aligned and scanned two tiles a step, with 700 they are not scanned.
+    causal_b1ls: Hugging Face's causal-and-padding mask as one (B, 1, L, S) bool tensor (row i
+    sees keys <= i), whose upper triangle the scan skips. NaN keys at hidden keys change nothing
     (contract §13); a NaN query row is NaN at every key, the skipped ones too."""
-    B, H, L, S, E = 4, 2, 300, 700, 128
+    B, H, L, E = 4, 2, 300, 128
     gen = torch.Generator(device="cuda").manual_seed(23)
     q, k, v = (torch.randn(B, H, n, E, generator=gen, device="cuda").to(dtype) for n in (L, S, S))
-    valid = torch.tensor([700, 450, 256, 0], device="cuda")
-    keep = torch.arange(S, device="cuda") < valid[:, None]  # (B, S)
+    valid = torch.tensor([S, 450, 256, 0], device="cuda")
+    keys = torch.arange(S, device="cuda")
     if form == "b11s":
-        mask = keep[:, None, None, :].contiguous()
-    else:
+        mask = (keys < valid[:, None])[:, None, None, :].contiguous()
+    elif form == "b1ls":
         ends = valid[:, None] - 200 + 200 * (torch.arange(L, device="cuda") >= 128)  # (B, L)
-        mask = (torch.arange(S, device="cuda") < ends[..., None].clamp(min=0))[:, None].contiguous()
-    if form == "b11s":  # in tiles batch 1 skips (NaN at hidden keys of tiles a CTA runs: below)
-        k[1, :, 600:] = float("nan")
+        mask = (keys < ends[..., None].clamp(min=0))[:, None].contiguous()
+    else:
+        causal = keys <= torch.arange(L, device="cuda")[:, None]  # (L, S), top-left
+        mask = (causal & (keys < valid[:, None, None]))[:, None].contiguous()
+    k[1, :, 600:] = float("nan")  # hidden from every row of batch 1
     (out, probs), names = cuda_kernels(lambda: sdpa_math.attention(q, k, v, mask))
     assert any("forward_sm90" in n for n in names), names
     k[1, :, 600:] = 0.0
@@ -99,13 +148,11 @@ def test_sm90_padded_key_tiles(dtype, form):
     lse = torch.ops.sdpa_math.forward(q, k, v, mask, 0.0, False, None, None, False, None)[2]
     assert torch.isneginf(lse[3]).all()
     torch.testing.assert_close(lse[:3].double(), ref_lse[:3], rtol=1e-5, atol=1e-5)
-    q[2, 1, 7, 0] = float("nan")  # batch 2 stops after two of its six tiles
+    q[2, 1, 7, 0] = float("nan")  # batch 2's first row block stops after at most two tiles
     probs = sdpa_math.attention(q, k, v, mask)[1]
     assert probs[2, 1, 7].isnan().all() and not probs[2, 1, 8].isnan().any()
 
 
-@pytest.mark.xfail(strict=True, reason="known bug (bench/NOTES.md, session 27): the Hopper kernel adds the bool "
-                   "mask's -inf to the score, and NaN + -inf is NaN; to fix with a select")
 @pytest.mark.parametrize("dtype", DTYPES, ids=ids)
 def test_sm90_nan_at_a_key_a_bool_mask_hides_is_ignored(dtype):
     """Contract §13: a key the row does not attend to takes no part in it, NaN included. Key 40

@@ -78,6 +78,7 @@ struct Args {
   bool p_tma;   // P leaves through shared memory and TMA stores (rows 16-byte aligned), else
                 // as 4-byte pairs straight from registers
   bool p_vec8;  // P's rows take 16-byte stores (the causal zeros)
+  bool mask_vec16 = false;  // a bool mask's rows take 16-byte loads (the scan for hidden key tiles)
   bool fold;    // unmasked with a positive scale: clean tiles fold the scale into max and exponent
                 // (decided here: a double compare in the kernel waits on the tensor-core pipe)
   float scale;       // the scale in fp32, and times log2 e (unmasked scores are in base-2 units)
@@ -171,22 +172,46 @@ SDPA_MATH_D void column_sums(float (&col)[kBN / 4], float* buf, int warp, int la
 // The mask's element type, fixed per kernel so its loads are plain typed loads.
 enum class MaskKind : int { None, Bool, Same /* the inputs' dtype */, Float32 };
 
-// Two neighbouring mask elements (keys j, j + 1) as one load, and element e of them as a float
-// to add to the logit.
-template <typename T, MaskKind M>
+// Two neighbouring mask elements (keys j, j + 1) as one load, and element e of them applied to
+// a scaled score x (BASE2: x in base-2 units, a float mask's value times log2 e).
+template <typename T, MaskKind M, bool BASE2>
 struct MaskPair {
   using Raw = std::conditional_t<M == MaskKind::Bool, uint16_t, std::conditional_t<M == MaskKind::Same, uint32_t, float2>>;
   static constexpr int kBytes = M == MaskKind::Bool ? 1 : M == MaskKind::Same ? 2 : 4;  // per element
-  static SDPA_MATH_D float value(const Raw& raw, int e) {
-    if constexpr (M == MaskKind::Bool) return ((raw >> (8 * e)) & 0xFF) ? 0.0f : -INFINITY;
-    else if constexpr (M == MaskKind::Same) return to_float<T>(reinterpret_cast<const T*>(&raw)[e]);
-    else return e ? raw.y : raw.x;
+  // A bool mask selects -inf for a hidden key instead of adding it, so a NaN score there (a NaN
+  // key) takes no part in the row (contract §13); adding gave NaN + -inf = NaN, a NaN row (run
+  // s27-v102). A float mask is added, as the math op adds it.
+  static SDPA_MATH_D float apply(float x, const Raw& raw, int e) {
+    if constexpr (M == MaskKind::Bool) return ((raw >> (8 * e)) & 0xFF) ? x : -INFINITY;
+    else if constexpr (M == MaskKind::Same) {
+      const float v = to_float<T>(reinterpret_cast<const T*>(&raw)[e]);
+      return BASE2 ? fmaf(v, 1.4426950408889634f, x) : x + v;
+    } else {
+      const float v = e ? raw.y : raw.x;
+      return BASE2 ? fmaf(v, 1.4426950408889634f, x) : x + v;
+    }
+  }
+  // Folds a pair into acc, which starts at kNeutralStart; neutral(acc): every pair folded leaves
+  // its logits as they are (bool: both keys visible; float: both +0 or -0). Bool bytes are 0 or
+  // 1 in torch, and a byte without its low bit only makes the test fail, so a tile is never
+  // taken for visible when it is not. A NaN or any nonzero float fails the test too.
+  using Acc = uint32_t;
+  static constexpr Acc kNeutralStart = M == MaskKind::Bool ? 0xFFFFFFFFu : 0u;
+  static SDPA_MATH_D Acc fold_in(Acc acc, const Raw& raw) {
+    if constexpr (M == MaskKind::Bool) return acc & raw;
+    else if constexpr (M == MaskKind::Same) return acc | raw;
+    else return acc | __float_as_uint(raw.x) | __float_as_uint(raw.y);
+  }
+  static SDPA_MATH_D bool neutral(Acc acc) {
+    if constexpr (M == MaskKind::Bool) return (acc & 0x0101u) == 0x0101u;
+    else if constexpr (M == MaskKind::Same) return (acc & 0x7FFF7FFFu) == 0;
+    else return (acc & 0x7FFFFFFFu) == 0;
   }
 };
 
 // MASK = None: scores in base-2 units (x = s * scale * log2 e; one multiply-add and one ex2 per
-// element), causal and the key tail by index, only on the tiles that need it; a bool mask adds
-// 0 or -inf in the same units. With a float mask:
+// element), causal and the key tail by index, only on the tiles that need it; a bool mask keeps
+// the logit or selects -inf, in the same units. With a float mask:
 // natural units (x = s * scale + mask), so a row held at a float mask's finfo.min still has
 // finite logits (their base-2 form would overflow fp32) and gives the math op's uniform row;
 // exponents are taken of differences, (x - m) * log2 e.
@@ -205,11 +230,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   // forward: prefill1k_d128 -2.5 %, gqa1k_d128 -4 % (run s26-v93). Head 64 lost 1-2 % with it and
   // keeps one product per turn; so do the statistics kernel (its column sums hold u's registers
   // longer) and the masked kernels (with the mask's pairs live as well they spill: fp32 mask,
-  // head 128, 940 bytes).
+  // head 128, 940 bytes; with the pairs loaded a tile ahead, session 28, bool 156 and fp16 64).
   constexpr bool kOverlap = !STATS && !kMasked && D == 128;
-  // Logits in natural units only where a mask value can be near a float's lowest: a row held at
-  // finfo.min would overflow fp32 in base 2. A bool mask adds 0 or -inf, which base 2 takes as is.
-  constexpr bool kNatural = MASK == MaskKind::Same || MASK == MaskKind::Float32;
+  // Logits in natural units only where a mask value can be near fp32's lowest (an fp32 or bf16
+  // mask): a row held at finfo.min would overflow fp32 in base 2. A bool mask selects -inf,
+  // which base 2 takes as is, and an fp16 mask's lowest (-65504) is 94500 in base 2: those are in
+  // base-2 units, so their tiles whose pairs are neutral fold the scale as unmasked ones do (an
+  // exponent one multiply-add, not a subtract and a multiply).
+  constexpr bool kNatural = (MASK == MaskKind::Same && !std::is_same_v<T, __half>) || MASK == MaskKind::Float32;
   constexpr float kNegInf = -INFINITY;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* base = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -258,19 +286,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
   if constexpr (MASK == MaskKind::Bool && !STATS) {
-    // Key tiles at the end that a key-padding mask (bool, broadcast over rows: (B, 1, 1, S))
-    // hides contribute nothing to O, l or the max, so they are neither loaded nor multiplied:
-    // the CTA stops before them, and the causal tail's fill below writes their P (0, or NaN in a
-    // NaN row, as for keys right of the diagonal; a NaN at a hidden key is ignored:
-    // docs/contract.md §13). The threads scan the mask's row from the last tile, a key pair each,
-    // and stop at the first tile with a visible pair. Run s27-v101 (prefill1k_d128 fp16,
-    // A/B/A): batches padded by 0-3/8 of their keys 0.217 -> 0.191 ms; a mask with nothing to
-    // skip unchanged. A mask with rows of its own is not scanned: 128 rows a tile took 10 % of
-    // the forward (one load in flight per thread), and Q issued before the scan made it slower
-    // still (+6 %). (The statistics form keeps every tile: its column pass counts the tiles each
-    // CTA covers.)
+    // Key tiles at the end that a bool mask hides from every row of the CTA contribute nothing
+    // to O, l or the max, so they are neither loaded nor multiplied: the CTA stops before them,
+    // and the causal tail's fill below writes their P (0, or NaN in a NaN row, as for keys right
+    // of the diagonal; a NaN at a hidden key is ignored: docs/contract.md §13). (The statistics
+    // form keeps every tile: its column pass counts the tiles each CTA covers.)
+    // A key-padding mask (broadcast over rows: (B, 1, 1, S)): the threads scan its row from the
+    // last tile, a key pair each, and stop at the first tile with a visible pair. Run s27-v101
+    // (prefill1k_d128 fp16, A/B/A): batches padded by 0-3/8 of their keys 0.217 -> 0.191 ms; a
+    // mask with nothing to skip unchanged. The same scan over 128 rows, 2-byte loads one after
+    // another, took 10 % of the forward, and Q issued before the scan made it slower still
+    // (+6 %).
+    const uint8_t* m0 = reinterpret_cast<const uint8_t*>(p.mask.data) + lead_off(p, p.mask, lead);
     if (p.mask.row == 0) {
-      const uint8_t* m0 = reinterpret_cast<const uint8_t*>(p.mask.data) + lead_off(p, p.mask, lead);
       while (n_tiles > 0) {
         const int64_t j0 = static_cast<int64_t>(n_tiles - 1) * kBN;
         const int pairs = static_cast<int>((j_end - j0 + 1) / 2);  // S is even (forward_applies)
@@ -279,6 +307,44 @@ __global__ void __launch_bounds__(kThreads, 1)
           seen |= *reinterpret_cast<const uint16_t*>(m0 + j0 + 2 * c) != 0;
         if (__syncthreads_or(seen)) break;
         --n_tiles;
+      }
+    } else if (a.mask_vec16) {
+      // A mask with rows of its own (Hugging Face's (B, 1, L, S): causal and padding in one),
+      // 16-byte aligned: the CTA's rows of two tiles a step (2048 16-byte chunks, 6 a thread),
+      // every thread's loads issued together, so a step costs about one L2 round trip. A causal
+      // mask's upper triangle is then skipped as the causal kernel skips it. Not yet run on
+      // the GPU (session 27 had no device time left).
+      const int64_t rows = p.L - i0 < kBM ? p.L - i0 : kBM;
+      const uint8_t* mr = m0 + i0 * p.mask.row;
+      constexpr int kPerThread = (2 * kBM * kBN / 16 + kThreads - 1) / kThreads;
+      while (n_tiles > 0) {
+        // Tiles t_hi - 1 and t_hi (t_hi alone when it is tile 0): keys j_lo .. j_hi - 1.
+        const int t_hi = n_tiles - 1;
+        const int64_t j_lo = static_cast<int64_t>(t_hi > 0 ? t_hi - 1 : 0) * kBN;
+        const int64_t j_hi = j_end < static_cast<int64_t>(t_hi + 1) * kBN ? j_end : static_cast<int64_t>(t_hi + 1) * kBN;
+        const int chunks_row = static_cast<int>((j_hi - j_lo) / 16);  // S % 16 == 0 (mask_vec16)
+        const int chunks = static_cast<int>(rows) * chunks_row;     // at most 2048
+        uint4 v[kPerThread];
+#pragma unroll
+        for (int i = 0; i < kPerThread; ++i) {
+          const int idx = threadIdx.x + i * kThreads;
+          v[i] = idx < chunks ? *reinterpret_cast<const uint4*>(mr + (idx / chunks_row) * p.mask.row + j_lo +
+                                                                 (idx % chunks_row) * 16)
+                              : make_uint4(0, 0, 0, 0);
+        }
+        bool seen_hi = false, seen_lo = false;
+#pragma unroll
+        for (int i = 0; i < kPerThread; ++i) {
+          const int idx = threadIdx.x + i * kThreads;
+          const bool any = (v[i].x | v[i].y | v[i].z | v[i].w) != 0;
+          if (j_lo + (idx % chunks_row) * 16 >= static_cast<int64_t>(t_hi) * kBN) seen_hi |= any;
+          else seen_lo |= any;
+        }
+        if (__syncthreads_or(seen_hi)) break;
+        const bool lo = __syncthreads_or(seen_lo);
+        n_tiles = t_hi;  // tile t_hi hidden
+        if (lo) break;
+        if (n_tiles > 0) --n_tiles;  // tile t_hi - 1 hidden as well
       }
     }
   }
@@ -350,7 +416,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       p_row[r] = P + row[r] * p.probs.row;
     }
   }
-  using Mask = MaskPair<T, MASK == MaskKind::None ? MaskKind::Bool : MASK>;
+  using Mask = MaskPair<T, MASK == MaskKind::None ? MaskKind::Bool : MASK, !kNatural>;
   const char* m_row[2] = {nullptr, nullptr};
   if constexpr (kMasked) {
     const int64_t esize = Mask::kBytes;
@@ -370,10 +436,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   map_coords(a.p, lead, cp);
 
   // A tile needs index checks when it runs past the keys or crosses this warp's causal diagonal.
-  // Clean tiles of unmasked problems with a positive scale skip the logits pass: the scale folds
-  // into the max (max(s) · scale) and into the exponent's multiply-add.
+  // Clean tiles in base-2 units with a positive scale skip the scaling: the scale folds into the
+  // max (max(s) · scale) and into the exponent's multiply-add. A bool mask selects -inf in place
+  // of the raw score (one select an element, as the add it replaced; the select after a multiply
+  // cost 10 % on masked prefill1k_d128, run s28-v103); a tile an fp16 mask changes is scaled.
   auto tile_is_clean = [&](int64_t j0) { return j0 + kBN <= p.S && (!p.causal || j0 + kBN - 1 <= warp_row0); };
-  const bool fold = !kMasked && a.fold;
+  const bool fold = !kNatural && a.fold;
   // Ping-pong: the two warpgroups take turns to issue their products (named barriers 3 and 4), so
   // one's softmax runs while the other's products occupy the tensor cores instead of both
   // drifting into lockstep on the same tiles. Warpgroup 0 goes first. Turns a CTA takes: pass 1
@@ -387,12 +455,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   if (cw == 1 && turns > 0) named_barrier_arrive(3, 256);
 
-  // The mask's pairs for this thread's elements of the tile at key j0, loaded while the tile's
-  // products run (rows unit-stride and pair-aligned: forward_applies). Rows past L read row 0's
-  // (their logits are never used), so a clean tile's pairs are all loaded. (A mask broadcast over
-  // rows loads the same pairs twice, from L1: copying row 0's instead makes each copy wait for its
-  // load, 16 waits a tile, 1.5x the masked kernel's time, session 18.)
-  typename Mask::Raw mask_pairs[kMasked ? kBN / 8 : 1][2];
+  // The mask's pairs for this thread's elements of the tile at key j0 (rows unit-stride and
+  // pair-aligned: forward_applies). Rows past L read row 0's (their logits are never used), so a
+  // clean tile's pairs are all loaded. A tile's pairs are loaded as soon as the last tile's are
+  // used (to_logits), so they have that tile's softmax, the wait for K and the products to
+  // arrive: loaded after the products were issued, their wait was a third of the stalls of a
+  // forward with a (B, 1, L, S) mask (ncu, run s28-v105). (A mask broadcast over rows loads the
+  // same pairs twice, from L1: copying row 0's instead makes each copy wait for its load, 16
+  // waits a tile, 1.5x the masked kernel's time, session 18.)
+  typename Mask::Raw mask_pairs[kMasked ? kBN / 8 : 1][2] = {};
   auto load_mask = [&](int64_t j0) {
     if constexpr (kMasked) {
       const int keys = static_cast<int>(p.S - j0 < kBN ? p.S - j0 : kBN);
@@ -406,8 +477,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
     }
   };
-  // S = Q Kᵀ for this warpgroup's rows and the stage's keys (raw dot products), in its turn; the
-  // mask's values for the tile at j0 arrive meanwhile.
   // S = Q Kᵀ of the stage's keys into s: issued and committed, not waited for (inside a turn).
   auto issue_scores = [&](float (&s)[kBN / 2], const T* k_tile) {
     wgmma_fence();
@@ -419,29 +488,44 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     wgmma_commit();
   };
-  auto scores = [&](float (&s)[kBN / 2], int stage, int64_t j0) {
+  // S = Q Kᵀ for this warpgroup's rows and the stage's keys (raw dot products), in its turn.
+  auto scores = [&](float (&s)[kBN / 2], int stage) {
     fence_regs(s);
     turn_begin();
     FWD_STAMP(trace_pass2 ? trace::kP2Turn : trace::kP1Turn);
     issue_scores(s, sK + stage * kBN * D);
     turn_end();
-    load_mask(j0);
     wgmma_wait<0>();
     fence_regs(s);
     FWD_STAMP(trace_pass2 ? trace::kP2Done : trace::kP1Done);
   };
   // Scores to logits in place: scaled, masked, -inf where hidden (past S, causal, a false mask
   // entry, a padding row). `clean` tiles skip the index checks (rows past L then get finite
-  // logits, which nothing reads: their P, O, lse and statistics are never stored).
-  auto to_logits = [&](float (&s)[kBN / 2], int64_t j0, bool clean) {
-    if (clean) {
+  // logits, which nothing reads: their P, O, lse and statistics are never stored); `raw` ones
+  // (clean, the scale folded) keep raw scores; `masked` false: the mask is left out (its pairs
+  // change no logit of the tile).
+  auto logits = [&](float (&s)[kBN / 2], int64_t j0, bool clean, bool raw, bool masked) {
+    if (raw) {  // a bool mask's select alone
+      if constexpr (MASK == MaskKind::Bool) {
+        if (masked) {
 #pragma unroll
-      for (int n = 0; n < kBN / 8; ++n)
+          for (int n = 0; n < kBN / 8; ++n)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          if constexpr (kMasked) s[4 * n + c] = s[4 * n + c] * scale + Mask::value(mask_pairs[n][c >> 1], c & 1);
-          else s[4 * n + c] *= scale;
+            for (int c = 0; c < 4; ++c) s[4 * n + c] = Mask::apply(s[4 * n + c], mask_pairs[n][c >> 1], c & 1);
         }
+      }
+      return;
+    }
+    if (clean) {
+      if (kMasked && masked) {
+#pragma unroll
+        for (int n = 0; n < kBN / 8; ++n)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) s[4 * n + c] = Mask::apply(s[4 * n + c] * scale, mask_pairs[n][c >> 1], c & 1);
+      } else {
+#pragma unroll
+        for (int i = 0; i < kBN / 2; ++i) s[i] *= scale;
+      }
       return;
     }
     // Keys visible to each row: columns < limit[r] of the tile.
@@ -458,13 +542,29 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int c = 0; c < 4; ++c) {
         const int r = c >> 1, jj = n * 8 + 2 * t + (c & 1);
         float x = s[4 * n + c] * scale;
-        if constexpr (kMasked) {
-          if (jj < limit[r]) x += Mask::value(mask_pairs[n][r], c & 1);
-        }
+        if (kMasked && masked && jj < limit[r]) x = Mask::apply(x, mask_pairs[n][r], c & 1);
         s[4 * n + c] = jj < limit[r] ? x : kNegInf;
       }
   };
+  // The same, the mask's part decided for the warp: a tile whose pairs leave every logit of the
+  // warp as it is (all keys visible, or all zero) is taken as unmasked, so 7 of 8 tiles of a
+  // padding mask on 1k keys skip the per-element work. Then the pairs of the tile at `next` are
+  // loaded (none when next < 0). Returns whether s was left raw (the scale still to apply).
+  auto to_logits = [&](float (&s)[kBN / 2], int64_t j0, bool clean, bool raw, int64_t next) {
+    bool masked = false;
+    if constexpr (kMasked) {
+      typename Mask::Acc acc = Mask::kNeutralStart;
+#pragma unroll
+      for (int n = 0; n < kBN / 8; ++n) acc = Mask::fold_in(Mask::fold_in(acc, mask_pairs[n][0]), mask_pairs[n][1]);
+      masked = !__all_sync(0xffffffffu, Mask::neutral(acc));
+    }
+    raw = raw && (MASK == MaskKind::None || MASK == MaskKind::Bool || !masked);  // float values add to scaled scores
+    logits(s, j0, clean, raw, masked);
+    if (next >= 0) load_mask(next);
+    return raw;
+  };
 
+  load_mask(0);  // the first tile's pairs, for pass 1 (or pass 2 of a one-pass CTA)
   mbar_wait(q_full, 0);
   FWD_STAMP(trace::kStart);
 
@@ -478,10 +578,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     FWD_STAMP(trace::kP1KFull);
     float s[kBN / 2];
     const int64_t j0 = static_cast<int64_t>(nt) * kBN;
-    scores(s, stage, j0);
+    scores(s, stage);
     if (lane == 0) mbar_arrive(&k_empty[stage]);
-    const bool raw = fold && tile_is_clean(j0);
-    if (!raw) to_logits(s, j0, tile_is_clean(j0));
+    const bool clean = tile_is_clean(j0);
+    const bool raw = to_logits(s, j0, clean, fold && clean, nt + 1 < n_tiles ? j0 + kBN : 0);  // after the last: pass 2's first
     const float mul = raw ? scale : 1.0f;  // logit = s · mul
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -586,8 +686,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     auto softmax_and_p = [&](float (&s)[kBN / 2], int nt) {
       const int64_t j0 = static_cast<int64_t>(nt) * kBN;
       if (lane == 0) mbar_arrive(&k_empty[kt % C::kKStages]);
-      const bool clean = tile_is_clean(j0), raw = fold && clean;
-      if (!raw) to_logits(s, j0, clean);
+      const bool clean = tile_is_clean(j0);
+      const bool raw = to_logits(s, j0, clean, fold && clean, -1);  // unmasked (kOverlap): no pairs to load
       const float mul = raw ? scale : 1.0f;
       const int keys = static_cast<int>(p.S - j0 < kBN ? p.S - j0 : kBN);
       const int p_buf = nt % C::kPBuffers;
@@ -651,7 +751,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       FWD_STAMP(trace::kP2Turn);
       issue_scores(s, sK + (kt % C::kKStages) * kBN * D);
       turn_end();
-      load_mask(0);
       wgmma_wait<0>();
       fence_regs(s);
       FWD_STAMP(trace::kP2Done);
@@ -672,7 +771,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       issue_scores(s, sK + (kt % C::kKStages) * kBN * D);
       issue_pv(nt);
       turn_end();
-      load_mask(static_cast<int64_t>(nt) * kBN);
       wgmma_wait<1>();  // S of this tile; u V of the last may still run
       fence_regs(s);
       FWD_STAMP(trace::kP2Done);
@@ -702,10 +800,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     FWD_STAMP(trace::kP2KFull);
     float s[kBN / 2];
     const int64_t j0 = static_cast<int64_t>(nt) * kBN;
-    scores(s, stage, j0);
+    scores(s, stage);
     if (lane == 0) mbar_arrive(&k_empty[stage]);
-    const bool clean = tile_is_clean(j0), raw = fold && clean;
-    if (!raw) to_logits(s, j0, clean);
+    const bool clean = tile_is_clean(j0);
+    const bool raw = to_logits(s, j0, clean, fold && clean, nt + 1 < n_tiles ? j0 + kBN : -1);
     const float mul = raw ? scale : 1.0f;
     const int keys = static_cast<int>(p.S - j0 < kBN ? p.S - j0 : kBN);  // P columns of this tile
     if constexpr (STATS) {
@@ -954,6 +1052,7 @@ bool forward_for(const DevProblem& p, cudaStream_t stream) {
   MaskKind mask;
   if (!common_args(p, q, k, v, a, mask)) return false;
   a.p_vec8 = rows_vectorizable(p.probs, p.lead_ndim, p.S, 2, 8);
+  a.mask_vec16 = p.mask_is_bool && rows_vectorizable(p.mask, p.lead_ndim, p.S, 1, 16);
   a.p_tma = make_map(&pm, p, p.probs, p.L, p.S, 64, a.p);
   launch_for_head<false, T>(q, k, v, pm, p, a, StatsArgs{}, mask, stream);
   return true;
