@@ -1,12 +1,14 @@
-"""Forward times of prefill1k_d128 (fp16) under each mask form, for A/B runs of two builds.
+"""Forward times of prefill1k_d128 under each mask form, for A/B runs of two builds.
 
-    PYTHONPATH=<build A> python3 tests/gpu/mask_ab.py times A
-    PYTHONPATH=<build B> python3 tests/gpu/mask_ab.py times B
-    ncu ... python3 tests/gpu/mask_ab.py one fmask     # three calls: profile the third
+    PYTHONPATH=<build A> python3 tests/gpu/mask_ab.py times A [dtype]
+    PYTHONPATH=<build B> python3 tests/gpu/mask_ab.py times B [dtype]
+    ncu ... python3 tests/gpu/mask_ab.py one fmask [dtype]    # three calls: profile the third
+
+dtype: float16 (default) or bfloat16, of q, k, v and of the float mask.
 
 Masks: none; kpad_last100 ((B, 1, 1, S) bool, the last 100 keys hidden: no tile to skip);
 kpad_bench (batch b pads b/8 of its keys, the harness's _kpad row); bool_b1ls_rand ((B, 1, L, S)
-bool, 70 % visible: nothing to skip, no neutral tile); fmask ((B, 1, L, S) fp16, 0 or finfo.min
+bool, 70 % visible: nothing to skip, no neutral tile); fmask ((B, 1, L, S) float, 0 or finfo.min
 on the last 100 keys); hfmask (Hugging Face's causal-and-padding bool mask); then is_causal.
 Median of 40 single-event timings: good for a ±5 % comparison in one run, not for the record
 (the harness is that).
@@ -20,7 +22,7 @@ import sdpa_math
 B, H, L, S, E = 4, 16, 1024, 1024, 128
 
 
-def masks():
+def masks(dtype):
     g = torch.Generator(device="cuda").manual_seed(0)
     ar = torch.arange(S, device="cuda")
     rows = torch.arange(L, device="cuda")[:, None]
@@ -29,8 +31,8 @@ def masks():
         "kpad_last100": lambda: (ar < S - 100).expand(B, S)[:, None, None].contiguous(),
         "kpad_bench": lambda: (ar < S - torch.arange(B, device="cuda")[:, None] * S // (2 * B))[:, None, None].contiguous(),
         "bool_b1ls_rand": lambda: torch.rand(B, 1, L, S, device="cuda", generator=g) < 0.7,
-        "fmask": lambda: torch.where(ar < S - 100, 0.0, torch.finfo(torch.float16).min)
-        .to(torch.float16)
+        "fmask": lambda: torch.where(ar < S - 100, 0.0, torch.finfo(dtype).min)
+        .to(dtype)
         .expand(B, 1, L, S)
         .contiguous(),
         "hfmask": lambda: ((ar <= rows) & (ar < S - 100)).expand(B, 1, L, S).contiguous(),
@@ -53,8 +55,9 @@ def median_ms(f, n=40):
 
 def main():
     mode, name = sys.argv[1], sys.argv[2]
-    g, made = masks()
-    q, k, v = (torch.randn(B, H, L, E, device="cuda", dtype=torch.float16, generator=g) for _ in range(3))
+    dtype = getattr(torch, sys.argv[3]) if len(sys.argv) > 3 else torch.float16
+    g, made = masks(dtype)
+    q, k, v = (torch.randn(B, H, L, E, device="cuda", dtype=dtype, generator=g) for _ in range(3))
     if mode == "one":
         mask = made[name]()
         for _ in range(3):
