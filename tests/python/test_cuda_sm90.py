@@ -68,6 +68,25 @@ def test_sm90_forward_masked(dtype, mask_kind, layout):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+def test_sm90_bool_mask_with_a_scale_that_rounds_to_zero(dtype):
+    """A scale below fp32's smallest subnormal is 0 in the kernel: every visible logit is 0, so P
+    is uniform over the visible keys and 0 at the hidden one. Clean tiles of a bool mask keep raw
+    scores (-inf at hidden keys) only with a positive fp32 scale: with the scale tested as a
+    double, -inf times 0 made the row NaN (review, session 28)."""
+    B, H, L, S, E = 1, 2, 128, 256, 64
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = (torch.randn(B, H, n, E, generator=gen, device="cuda").to(dtype) for n in (L, S, S))
+    mask = torch.ones(B, 1, L, S, dtype=torch.bool, device="cuda")
+    mask[0, 0, 3, 5] = False
+    (out, probs), names = cuda_kernels(lambda: sdpa_math.attention(q, k, v, mask, scale=1e-46))
+    assert any("forward_sm90" in n for n in names), names
+    expect = torch.full((L, S), 1.0 / S, device="cuda", dtype=torch.float64)
+    expect[3] = 1.0 / (S - 1)
+    expect[3, 5] = 0.0
+    torch.testing.assert_close(probs[0].double(), expect.expand(H, L, S), rtol=TOL[dtype][0], atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
 @pytest.mark.parametrize("kind", ["bool", "same", "float32"])
 def test_sm90_mask_tiles_left_out_only_where_neutral(dtype, kind):
     """A warp leaves a tile's mask out when its pairs change no logit of the warp (every key

@@ -79,10 +79,11 @@ struct Args {
                 // as 4-byte pairs straight from registers
   bool p_vec8;  // P's rows take 16-byte stores (the causal zeros)
   bool mask_vec16 = false;  // a bool mask's rows take 16-byte loads (the scan for hidden key tiles)
-  bool fold;    // unmasked with a positive scale: clean tiles fold the scale into max and exponent
-                // (decided here: a double compare in the kernel waits on the tensor-core pipe)
-  float scale;       // the scale in fp32, and times log2 e (unmasked scores are in base-2 units)
-  float scale_log2;
+  bool fold;    // a positive scale (in fp32): clean tiles in base-2 units fold the scale into max
+                // and exponent (decided here: a double compare in the kernel waits on the
+                // tensor-core pipe)
+  float scale;       // the scale in fp32, and times log2 e (base-2 units: unmasked, bool and fp16
+  float scale_log2;  // masks)
   int64_t lead0 = 0, leads = 0;  // this launch's lead indices: lead0 .. lead0 + leads - 1
 };
 
@@ -115,8 +116,9 @@ SDPA_MATH_D float row_max(const float (&s)[N], int r) {
   for (int i = 0; i < 4; ++i) v[i] = max_nan(v[i], v[i + 4]);
   return max_nan(max_nan(v[0], v[2]), max_nan(v[1], v[3]));
 }
-// exp(logit - m) for a logit x: base-2 logits (unmasked, bool mask) take 2^(x·mul − m) in one
-// multiply-add, where mul folds in the scale for raw scores; natural ones (float masks) take
+// exp(logit - m) for a logit x: base-2 logits (unmasked, bool and fp16 masks) take 2^(x·mul − m)
+// in one multiply-add, where mul folds in the scale for raw scores; natural ones (bf16 and fp32
+// masks) take
 // 2^((x − m)·log2 e), the difference first, since x and m near a float mask's finfo.min would
 // overflow fp32 times log2 e.
 template <bool NATURAL>
@@ -211,10 +213,10 @@ struct MaskPair {
 
 // MASK = None: scores in base-2 units (x = s * scale * log2 e; one multiply-add and one ex2 per
 // element), causal and the key tail by index, only on the tiles that need it; a bool mask keeps
-// the logit or selects -inf, in the same units. With a float mask:
-// natural units (x = s * scale + mask), so a row held at a float mask's finfo.min still has
-// finite logits (their base-2 form would overflow fp32) and gives the math op's uniform row;
-// exponents are taken of differences, (x - m) * log2 e.
+// the logit or selects -inf, in the same units, and an fp16 mask adds its value times log2 e.
+// With a bf16 or fp32 mask: natural units (x = s * scale + mask), so a row held at the mask's
+// finfo.min still has finite logits (their base-2 form would overflow fp32) and gives the math
+// op's uniform row; exponents are taken of differences, (x - m) * log2 e.
 //
 // STATS: the statistics kernel. P is not written (except the rows of st.win); pass 2 reduces it
 // instead: each row's entropy −Σ P log P = log l + Σ_j P_j (m − x_j) (every term ≥ 0, no
@@ -312,8 +314,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       // A mask with rows of its own (Hugging Face's (B, 1, L, S): causal and padding in one),
       // 16-byte aligned: the CTA's rows of two tiles a step (2048 16-byte chunks, 6 a thread),
       // every thread's loads issued together, so a step costs about one L2 round trip. A causal
-      // mask's upper triangle is then skipped as the causal kernel skips it. Not yet run on
-      // the GPU (session 27 had no device time left).
+      // mask's upper triangle is then skipped as the causal kernel skips it (with a causal bool
+      // mask and 100 padded keys, prefill1k_d128 0.25 -> 0.19 ms, runs s28-v103..v107).
       const int64_t rows = p.L - i0 < kBM ? p.L - i0 : kBM;
       const uint8_t* mr = m0 + i0 * p.mask.row;
       constexpr int kPerThread = (2 * kBM * kBN / 16 + kThreads - 1) / kThreads;
@@ -921,7 +923,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
   const int64_t z0 = static_cast<int64_t>(n_tiles) * kBN;
   if constexpr (STATS) {
-    // Entropy log l + Σ P (m − x) in natural units (unmasked problems count x and m in base 2);
+    // Entropy log l + Σ P (m − x) in natural units (kernels in base-2 units count x and m in base 2);
     // 0 for a fully masked row, NaN for a NaN row (its l).
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -941,7 +943,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     return;
   }
 
-  // Causal, or a key-padding mask's trailing tiles: the keys right of the last tile are hidden
+  // Causal, or the trailing tiles a bool mask hides: the keys right of the last tile are hidden
   // from every row of the CTA: zeros, 16 bytes a store where rows allow; NaN in a NaN row (prob_of_hidden_key: the math op's softmax of a
   // NaN row is NaN at its hidden keys too). Each row's flag comes from the quad that holds it.
   if (z0 < p.S) {
@@ -1037,9 +1039,10 @@ bool common_args(const DevProblem& p, CUtensorMap& q, CUtensorMap& k, CUtensorMa
   if (!mask_kind(p, mask) || !make_map(&q, p, p.q, p.L, p.E, kBM, a.q) || !make_map(&k, p, p.k, p.S, p.E, kBN, a.k) ||
       !make_map(&v, p, p.v, p.S, p.Ev, kBN, a.v))
     return false;
-  a.fold = p.scale > 0.0;
   a.scale = static_cast<float>(p.scale);
   a.scale_log2 = static_cast<float>(p.scale * 1.4426950408889634);
+  // On the fp32 value: a scale that rounds to 0 would make a hidden key's raw -inf times 0 = NaN.
+  a.fold = a.scale_log2 > 0.0f;
   a.lead0 = 0;
   a.leads = p.num_lead;
   return true;
