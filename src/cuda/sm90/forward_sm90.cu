@@ -184,12 +184,12 @@ struct MaskPair {
   // key) takes no part in the row (contract §13); adding gave NaN + -inf = NaN, a NaN row (run
   // s27-v102). A float mask is added, as the math op adds it.
   static SDPA_MATH_D float apply(float x, const Raw& raw, int e) {
-    if constexpr (M == MaskKind::Bool) return ((raw >> (8 * e)) & 0xFF) ? x : -INFINITY;
-    else if constexpr (M == MaskKind::Same) {
-      const float v = to_float<T>(reinterpret_cast<const T*>(&raw)[e]);
-      return BASE2 ? fmaf(v, 1.4426950408889634f, x) : x + v;
+    if constexpr (M == MaskKind::Bool) {
+      return ((raw >> (8 * e)) & 0xFF) ? x : -INFINITY;
     } else {
-      const float v = e ? raw.y : raw.x;
+      float v;
+      if constexpr (M == MaskKind::Same) v = to_float<T>(reinterpret_cast<const T*>(&raw)[e]);
+      else v = e ? raw.y : raw.x;
       return BASE2 ? fmaf(v, 1.4426950408889634f, x) : x + v;
     }
   }
