@@ -213,7 +213,10 @@ void forward(const core::Problem& p, const ForwardOutputs& out, const CudaExecut
     return;
   }
 #ifdef SDPA_MATH_WITH_SM90
-  if (sm90::forward_applies(dp) && sm90::forward(dp, stream)) return;  // Hopper: wgmma + TMA
+  if (sm90::forward_applies(dp)) {  // Hopper: wgmma + TMA
+    Scratch scratch(ex, stream);
+    if (sm90::forward(dp, scratch.zeros<uint32_t>(sm90::forward_workspace_words(dp)), stream)) return;
+  }
 #endif
   if (tensor_core_forward(dp, stream)) return;  // fp16/bf16 on mma.sync (sm_80+)
   if (gemm_forward(dp, stream)) return;

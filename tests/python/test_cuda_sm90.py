@@ -131,6 +131,48 @@ def test_sm90_mask_tiles_left_out_only_where_neutral(dtype, kind):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+@pytest.mark.parametrize("kind", ["bool", "same", "float32"])
+@pytest.mark.parametrize("form", ["1hls", "ls", "b11s", "bhls"])
+def test_sm90_mask_plan(dtype, kind, form):
+    """A mask shared by several heads is read once by a plan kernel (build_mask_plan), whose bits
+    say which 128-key tiles leave a warp's 16 rows unchanged; the forward loads no pairs of those.
+    Forms: (1, H, L, S) broadcast over the batch (the plan numbers heads, not batches), (L, S)
+    (one plan for all), (B, 1, 1, S) (one row group), and (B, H, L, S), which no lead index
+    shares: no plan, the warps vote. L = 100 ends inside a row group; S = 4500 gives 36 key tiles,
+    two plan words, the last tile partial. Spots that change one logit each sit in tiles 0, 31,
+    32, 33 and 35 (past the first word), at rows 0, 15, 16, 63 and 99 (a group's edges, the last
+    row); the test fails if a spot's tile were taken as neutral."""
+    B, H, L, S, E = 3, 2, 100, 4500, 64
+    gen = torch.Generator(device="cuda").manual_seed(61)
+    q, k, v = (torch.randn(B, H, n, E, generator=gen, device="cuda").to(dtype) for n in (L, S, S))
+    shape = {"1hls": (1, H, L, S), "ls": (L, S), "b11s": (B, 1, 1, S), "bhls": (B, H, L, S)}[form]
+    spots = [(0, 0), (15, 31 * 128 + 5), (16, 32 * 128), (63, 33 * 128 + 127), (99, 4499)]  # (row, key)
+    if kind == "bool":
+        mask = torch.ones(shape, dtype=torch.bool, device="cuda")
+        hidden = False
+    else:
+        mask = torch.zeros(shape, dtype=dtype if kind == "same" else torch.float32, device="cuda")
+        hidden = float("-inf")
+    for n, (i, j) in enumerate(spots):
+        row = 0 if form == "b11s" else i
+        val = hidden if n % 2 == 0 or kind == "bool" else 12.0  # a finite value changes a logit too
+        mask[..., row, j] = val
+    (out, probs), names = cuda_kernels(lambda: sdpa_math.attention(q, k, v, mask))
+    assert any("forward_sm90" in n for n in names), names
+    assert any("build_mask_plan" in n for n in names) == (form != "bhls"), names
+    ref_out, ref_p, _ = reference(q, k, v, mask, False, E ** -0.5, False)
+    for n, (i, j) in enumerate(spots):
+        rows = slice(None) if form == "b11s" else i
+        if n % 2 == 0 or kind == "bool":
+            assert (probs[:, :, rows, j] == 0).all()
+        else:  # e^12 times the key's weight: most of the row
+            assert (probs[:, :, rows, j] > 0.1).all()
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(probs.double(), ref_p, rtol=rtol, atol=atol)
+    torch.testing.assert_close(out.double(), ref_out, rtol=rtol * 5, atol=atol * 20)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
 @pytest.mark.parametrize("form,S", [("b11s", 700), ("b1ls", 700), ("b1ls", 704), ("causal_b1ls", 704)])
 def test_sm90_padded_key_tiles(dtype, form, S):
     """Bool masks that hide whole 128-key tiles at the end of some CTAs' rows: the kernel stops

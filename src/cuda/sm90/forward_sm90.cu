@@ -85,6 +85,13 @@ struct Args {
   float scale;       // the scale in fp32, and times log2 e (base-2 units: unmasked, bool and fp16
   float scale_log2;  // masks)
   int64_t lead0 = 0, leads = 0;  // this launch's lead indices: lead0 .. lead0 + leads - 1
+  // The mask plan (see build_mask_plan), nullptr when none was built: which key tiles leave the
+  // logits of a warp's 16 rows as they are. Its bits for (plan lead, row group) start at
+  // plan + (plan_lead * plan_groups + group) * plan_words; plan_groups is 1 for a mask
+  // broadcast over rows.
+  const uint32_t* plan = nullptr;
+  int64_t plan_groups = 0;
+  int plan_words = 0;
 };
 
 // The statistics kernel's targets (forward_sm90<..., STATS = true>: P is not written).
@@ -204,12 +211,90 @@ struct MaskPair {
     else if constexpr (M == MaskKind::Same) return acc | raw;
     else return acc | __float_as_uint(raw.x) | __float_as_uint(raw.y);
   }
+  // A pair that is neutral (both keys visible, both values 0), for the plan's padding.
+  static SDPA_MATH_D Raw neutral_raw() {
+    if constexpr (M == MaskKind::Bool) return Raw(0x0101u);
+    else return Raw{};
+  }
   static SDPA_MATH_D bool neutral(Acc acc) {
     if constexpr (M == MaskKind::Bool) return (acc & 0x0101u) == 0x0101u;
     else if constexpr (M == MaskKind::Same) return (acc & 0x7FFF7FFFu) == 0;
     else return (acc & 0x7FFFFFFFu) == 0;
   }
 };
+
+// The mask plan's lead index of a forward lead index: the mask's lead coordinates with a nonzero
+// stride, numbered row-major (the broadcast ones dropped, so every head sharing a (B, 1, L, S)
+// mask shares its plan), and the number of such indices.
+SDPA_MATH_HD int64_t plan_lead(const DevProblem& p, int64_t lead) {
+  int64_t idx = 0, mult = 1;
+  for (int d = p.lead_ndim - 1; d >= 0; --d) {
+    int64_t n = p.lead_shape[d], c = lead % n;
+    lead /= n;
+    if (d == p.lead_ndim - 1) {
+      c /= p.mask.head_group;
+      n /= p.mask.head_group;
+    }
+    if (p.mask.lead[d] != 0) {
+      idx += c * mult;
+      mult *= n;
+    }
+  }
+  return idx;
+}
+inline int64_t plan_leads(const DevProblem& p) {
+  int64_t n = 1;
+  for (int d = 0; d < p.lead_ndim; ++d)
+    if (p.mask.lead[d] != 0) n *= d == p.lead_ndim - 1 ? p.lead_shape[d] / p.mask.head_group : p.lead_shape[d];
+  return n;
+}
+// The mask's element offset of plan lead index idx (the inverse numbering of plan_lead).
+SDPA_MATH_D int64_t plan_mask_offset(const DevProblem& p, int64_t idx) {
+  int64_t off = 0;
+  for (int d = p.lead_ndim - 1; d >= 0; --d) {
+    if (p.mask.lead[d] == 0) continue;
+    const int64_t n = d == p.lead_ndim - 1 ? p.lead_shape[d] / p.mask.head_group : p.lead_shape[d];
+    off += (idx % n) * p.mask.lead[d];
+    idx /= n;
+  }
+  return off;
+}
+
+// The mask plan: for each plan lead, group of 16 rows (one consumer warp's, groups of 16 from row
+// 0; one group when the mask is broadcast over rows) and key tile, a bit set when every pair of
+// the tile's keys (< S) in the group's rows (< L) is neutral (MaskPair::neutral: the warp's
+// vote, taken once per mask instead of once per head and pass). A (B, 1, L, S) mask is read
+// once here, and the forward's warps load no pairs of a neutral tile. One warp per (plan lead,
+// group, tile): 16 rows x 64 pairs, 32 loads a lane issued together. The plan starts zeroed (no
+// tile neutral), so a tile this kernel did not reach is masked, never wrongly left out.
+template <typename T, MaskKind M>
+__global__ void __launch_bounds__(128) build_mask_plan(const DevProblem p, uint32_t* plan, int64_t groups, int words,
+                                                       int64_t items) {
+  using Mask = MaskPair<T, M, false>;
+  const int lane = threadIdx.x % 32;
+  const int64_t n_tiles = (p.S + kBN - 1) / kBN;
+  for (int64_t item = (static_cast<int64_t>(blockIdx.x) * 128 + threadIdx.x) / 32; item < items;
+       item += static_cast<int64_t>(gridDim.x) * 4) {
+    const int64_t tile = item % n_tiles, group = (item / n_tiles) % groups, lead = item / (n_tiles * groups);
+    const char* m0 = p.mask.data + (plan_mask_offset(p, lead) + group * 16 * p.mask.row) * Mask::kBytes;
+    const int64_t j0 = tile * kBN;
+    const int rows = groups == 1 ? 1 : static_cast<int>(p.L - group * 16 < 16 ? p.L - group * 16 : 16);
+    const int pairs = static_cast<int>((p.S - j0 < kBN ? p.S - j0 : kBN) / 2);  // S is even (forward_applies)
+    typename Mask::Raw raw[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {  // pair lane + 32 (i % 2) of row i / 2
+      const int r = i / 2, c = lane + 32 * (i % 2);
+      raw[i] = Mask::neutral_raw();
+      if (r < rows && c < pairs)
+        raw[i] = *reinterpret_cast<const typename Mask::Raw*>(m0 + (r * p.mask.row + j0 + 2 * c) * Mask::kBytes);
+    }
+    typename Mask::Acc acc = Mask::kNeutralStart;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) acc = Mask::fold_in(acc, raw[i]);
+    const bool neutral = __all_sync(0xffffffffu, Mask::neutral(acc));
+    if (lane == 0 && neutral) atomicOr(plan + (lead * groups + group) * words + tile / 32, 1u << (tile % 32));
+  }
+}
 
 // MASK = None: scores in base-2 units (x = s * scale * log2 e; one multiply-add and one ex2 per
 // element), causal and the key tail by index, only on the tiles that need it; a bool mask keeps
@@ -426,6 +511,19 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int r = 0; r < 2; ++r) m_row[r] = p.mask.data + (m_at + (row_ok[r] ? row[r] : 0) * p.mask.row) * esize;
   }
+  // Where this warp's bits of the mask plan start (-1: none built, the warp votes on each tile's
+  // pairs instead; an offset from a.plan, which stays in the parameter bank, so the plan holds
+  // two registers, not four, with the first word: key tiles 0-31). Warps whose rows all lie past
+  // L take the last group's bits (their logits are never used).
+  int plan_at = -1;
+  uint32_t plan_word0 = 0;
+  if constexpr (kMasked && !STATS) {
+    if (a.plan != nullptr) {
+      const int64_t group = a.plan_groups == 1 || warp_row0 / 16 >= a.plan_groups ? a.plan_groups - 1 : warp_row0 / 16;
+      plan_at = static_cast<int>((plan_lead(p, lead) * a.plan_groups + group) * a.plan_words);
+      plan_word0 = a.plan[plan_at];
+    }
+  }
   const float scale = kNatural ? a.scale : a.scale_log2;
   const T* q_rows = sQ + cw * 64 * 64;  // this warpgroup's 64 rows of each column block
   // This warpgroup's P tiles in shared memory (kPBuffers, used in turn by the key tiles): two
@@ -466,8 +564,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   // same pairs twice, from L1: copying row 0's instead makes each copy wait for its load, 16
   // waits a tile, 1.5x the masked kernel's time, session 18.)
   typename Mask::Raw mask_pairs[kMasked ? kBN / 8 : 1][2] = {};
+  bool pairs_masked = true;  // with a plan: whether the tile whose pairs load_mask took changes a logit
   auto load_mask = [&](int64_t j0) {
     if constexpr (kMasked) {
+      if (plan_at >= 0) {  // a neutral tile's pairs are not loaded
+        const int tile = static_cast<int>(j0 / kBN);
+        pairs_masked = !(((tile < 32 ? plan_word0 : a.plan[plan_at + tile / 32]) >> (tile % 32)) & 1u);
+        if (!pairs_masked) return;
+      }
       const int keys = static_cast<int>(p.S - j0 < kBN ? p.S - j0 : kBN);
 #pragma unroll
       for (int n = 0; n < kBN / 8; ++n)
@@ -549,16 +653,21 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
   };
   // The same, the mask's part decided for the warp: a tile whose pairs leave every logit of the
-  // warp as it is (all keys visible, or all zero) is taken as unmasked, so 7 of 8 tiles of a
-  // padding mask on 1k keys skip the per-element work. Then the pairs of the tile at `next` are
+  // warp as it is (all keys visible, or all zero; the plan's bit, else the warp's vote on its
+  // pairs) is taken as unmasked, so 7 of 8 tiles of a padding mask on 1k keys skip the
+  // per-element work. Then the pairs of the tile at `next` are
   // loaded (none when next < 0). Returns whether s was left raw (the scale still to apply).
   auto to_logits = [&](float (&s)[kBN / 2], int64_t j0, bool clean, bool raw, int64_t next) {
     bool masked = false;
     if constexpr (kMasked) {
-      typename Mask::Acc acc = Mask::kNeutralStart;
+      if (plan_at >= 0) {
+        masked = pairs_masked;
+      } else {
+        typename Mask::Acc acc = Mask::kNeutralStart;
 #pragma unroll
-      for (int n = 0; n < kBN / 8; ++n) acc = Mask::fold_in(Mask::fold_in(acc, mask_pairs[n][0]), mask_pairs[n][1]);
-      masked = !__all_sync(0xffffffffu, Mask::neutral(acc));
+        for (int n = 0; n < kBN / 8; ++n) acc = Mask::fold_in(Mask::fold_in(acc, mask_pairs[n][0]), mask_pairs[n][1]);
+        masked = !__all_sync(0xffffffffu, Mask::neutral(acc));
+      }
     }
     raw = raw && (MASK == MaskKind::None || MASK == MaskKind::Bool || !masked);  // float values add to scaled scores
     logits(s, j0, clean, raw, masked);
@@ -1048,8 +1157,26 @@ bool common_args(const DevProblem& p, CUtensorMap& q, CUtensorMap& k, CUtensorMa
   return true;
 }
 
+// The mask plan's size: built for a mask that lead indices share (on average two or more per
+// plan lead, as a (B, 1, L, S) mask shared by the heads), where reading it once more pays for
+// itself; a mask of its own per head keeps the warps' votes. Zero words: no plan.
+struct PlanShape {
+  int64_t leads = 0, groups = 0;
+  int words = 0;
+  int64_t total_words() const { return leads * groups * words; }
+};
+PlanShape plan_shape(const DevProblem& p) {
+  PlanShape s;
+  if (p.mask.data == nullptr || 2 * plan_leads(p) > p.num_lead) return s;
+  s.leads = plan_leads(p);
+  s.groups = p.mask.row == 0 ? 1 : (p.L + 15) / 16;
+  s.words = static_cast<int>(((p.S + kBN - 1) / kBN + 31) / 32);
+  if (s.total_words() > INT32_MAX) return PlanShape{};  // the kernel's offsets are 32-bit (a plan of 8 GB)
+  return s;
+}
+
 template <typename T>
-bool forward_for(const DevProblem& p, cudaStream_t stream) {
+bool forward_for(const DevProblem& p, uint32_t* plan, cudaStream_t stream) {
   CUtensorMap q, k, v, pm;
   Args a;
   MaskKind mask;
@@ -1057,6 +1184,21 @@ bool forward_for(const DevProblem& p, cudaStream_t stream) {
   a.p_vec8 = rows_vectorizable(p.probs, p.lead_ndim, p.S, 2, 8);
   a.mask_vec16 = p.mask_is_bool && rows_vectorizable(p.mask, p.lead_ndim, p.S, 1, 16);
   a.p_tma = make_map(&pm, p, p.probs, p.L, p.S, 64, a.p);
+  const PlanShape ps = plan_shape(p);
+  if (plan != nullptr && ps.total_words() > 0) {
+    const int64_t items = ps.leads * ps.groups * ((p.S + kBN - 1) / kBN);
+    const int64_t blocks = std::min<int64_t>((items + 3) / 4, int64_t(1) << 20);
+    if (mask == MaskKind::Bool)
+      build_mask_plan<T, MaskKind::Bool><<<grid_x(blocks, "sm90 mask plan"), 128, 0, stream>>>(p, plan, ps.groups, ps.words, items);
+    else if (mask == MaskKind::Same)
+      build_mask_plan<T, MaskKind::Same><<<grid_x(blocks, "sm90 mask plan"), 128, 0, stream>>>(p, plan, ps.groups, ps.words, items);
+    else
+      build_mask_plan<T, MaskKind::Float32><<<grid_x(blocks, "sm90 mask plan"), 128, 0, stream>>>(p, plan, ps.groups, ps.words, items);
+    check_launch("sm90 mask plan");
+    a.plan = plan;
+    a.plan_groups = ps.groups;
+    a.plan_words = ps.words;
+  }
   launch_for_head<false, T>(q, k, v, pm, p, a, StatsArgs{}, mask, stream);
   return true;
 }
@@ -1130,9 +1272,11 @@ bool forward_applies(const DevProblem& p) {
   return inputs_apply(p) && p.probs.dtype == p.q.dtype && rows_vectorizable(p.probs, p.lead_ndim, p.S, 2, 2);
 }
 
-bool forward(const DevProblem& p, cudaStream_t stream) {
-  if (p.q.dtype == DType::Float16) return forward_for<__half>(p, stream);
-  return forward_for<__nv_bfloat16>(p, stream);
+int64_t forward_workspace_words(const DevProblem& p) { return plan_shape(p).total_words(); }
+
+bool forward(const DevProblem& p, uint32_t* workspace, cudaStream_t stream) {
+  if (p.q.dtype == DType::Float16) return forward_for<__half>(p, workspace, stream);
+  return forward_for<__nv_bfloat16>(p, workspace, stream);
 }
 
 bool stats_conditions(const DevProblem& p, const StatsTargets& t) {
