@@ -9,7 +9,8 @@ dtype: float16 (default) or bfloat16, of q, k, v and of the float mask.
 Masks: none; kpad_last100 ((B, 1, 1, S) bool, the last 100 keys hidden: no tile to skip);
 kpad_bench (batch b pads b/8 of its keys, the harness's _kpad row); bool_b1ls_rand ((B, 1, L, S)
 bool, 70 % visible: nothing to skip, no neutral tile); fmask ((B, 1, L, S) float, 0 or finfo.min
-on the last 100 keys); hfmask (Hugging Face's causal-and-padding bool mask); then is_causal.
+on the last 100 keys); fmask_bench (the harness's _fmask row: batch b pads b/8 of its keys);
+fmask32 (as fmask, in fp32); hfmask (Hugging Face's causal-and-padding bool mask); then is_causal.
 Median of 40 single-event timings: good for a ±5 % comparison in one run, not for the record
 (the harness is that).
 """
@@ -33,6 +34,11 @@ def masks(dtype):
         "bool_b1ls_rand": lambda: torch.rand(B, 1, L, S, device="cuda", generator=g) < 0.7,
         "fmask": lambda: torch.where(ar < S - 100, 0.0, torch.finfo(dtype).min)
         .to(dtype)
+        .expand(B, 1, L, S)
+        .contiguous(),
+        "fmask_bench": lambda: torch.where(ar < S - torch.arange(B, device="cuda")[:, None] * S // (2 * B), 0.0,
+                                           torch.finfo(dtype).min).to(dtype)[:, None, None].expand(B, 1, L, S).contiguous(),
+        "fmask32": lambda: torch.where(ar < S - 100, 0.0, torch.finfo(torch.float32).min)
         .expand(B, 1, L, S)
         .contiguous(),
         "hfmask": lambda: ((ar <= rows) & (ar < S - 100)).expand(B, 1, L, S).contiguous(),
