@@ -3,6 +3,7 @@
     PYTHONPATH=<build A> python3 tests/gpu/mask_ab.py times A [dtype]
     PYTHONPATH=<build B> python3 tests/gpu/mask_ab.py times B [dtype]
     ncu ... python3 tests/gpu/mask_ab.py one fmask [dtype]    # three calls: profile the third
+    PYTHONPATH=<build> python3 tests/gpu/mask_ab.py kernels A [dtype]   # each kernel's time
 
 dtype: float16 (default) or bfloat16, of q, k, v and of the float mask.
 
@@ -69,6 +70,23 @@ def main():
         for _ in range(3):
             sdpa_math.attention(q, k, v, mask)
         torch.cuda.synchronize()
+        return
+    if mode == "kernels":  # each mask's CUDA kernels, mean µs of 20 calls (torch profiler)
+        for n, make in made.items():
+            mask = make()
+            for _ in range(3):
+                sdpa_math.attention(q, k, v, mask)
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(20):
+                    sdpa_math.attention(q, k, v, mask)
+                torch.cuda.synchronize()
+            agg = {}
+            for e in prof.events():
+                if e.device_type == torch.autograd.DeviceType.CUDA:
+                    key = e.name.split("<")[0].split("(")[0].split("::")[-1][:24]
+                    agg[key] = agg.get(key, 0.0) + e.device_time / 20
+            print(name, n, " ".join(f"{k}={t:.1f}" for k, t in sorted(agg.items(), key=lambda kv: -kv[1])), flush=True)
         return
     res = {}
     for n, make in made.items():

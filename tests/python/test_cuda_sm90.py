@@ -132,41 +132,51 @@ def test_sm90_mask_tiles_left_out_only_where_neutral(dtype, kind):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=ids)
 @pytest.mark.parametrize("kind", ["bool", "same", "float32"])
-@pytest.mark.parametrize("form", ["1hls", "ls", "b11s", "bhls"])
-def test_sm90_mask_plan(dtype, kind, form):
+@pytest.mark.parametrize("form,L", [("1hls", 100), ("ls", 100), ("b11s", 100), ("bhls", 100), ("b1ls", 12), ("ls", 12)])
+def test_sm90_mask_plan(dtype, kind, form, L):
     """A mask shared by several heads is read once by a plan kernel (build_mask_plan), whose bits
     say which 128-key tiles leave a warp's 16 rows unchanged; the forward loads no pairs of those.
     Forms: (1, H, L, S) broadcast over the batch (the plan numbers heads, not batches), (L, S)
-    (one plan for all), (B, 1, 1, S) (one row group), and (B, H, L, S), which no lead index
-    shares: no plan, the warps vote. L = 100 ends inside a row group; S = 4500 gives 36 key tiles,
-    two plan words, the last tile partial. Spots that change one logit each sit in tiles 0, 31,
-    32, 33 and 35 (past the first word), at rows 0, 15, 16, 63 and 99 (a group's edges, the last
-    row); the test fails if a spot's tile were taken as neutral."""
-    B, H, L, S, E = 3, 2, 100, 4500, 64
+    (one plan for all), (B, 1, 1, S) (one row group), (B, 1, L, S) and (L, S) with L = 12 (one
+    row group of 12 rows of their own: the review's case, read as row 0 alone at first), and
+    (B, H, L, S), which no lead index shares: no plan, the warps vote. S = 4500 gives 36 key
+    tiles, two plan words, the last tile partial. Spots that change one logit each sit in tiles
+    0, 31, 32, 33 and 35 (past the first word), at rows 0, 15, 16, 63 and 99 (a group's edges,
+    the last row; modulo L), each mask slice's spots moved by two keys a slice, so a plan bit
+    read for the wrong slice leaves some spot unmasked: its P is then not 0 (hidden) or not
+    raised (a finite value)."""
+    B, H, S, E = 3, 2, 4500, 64
     gen = torch.Generator(device="cuda").manual_seed(61)
     q, k, v = (torch.randn(B, H, n, E, generator=gen, device="cuda").to(dtype) for n in (L, S, S))
-    shape = {"1hls": (1, H, L, S), "ls": (L, S), "b11s": (B, 1, 1, S), "bhls": (B, H, L, S)}[form]
+    shape = {"1hls": (1, H, L, S), "ls": (L, S), "b11s": (B, 1, 1, S), "bhls": (B, H, L, S), "b1ls": (B, 1, L, S)}[form]
     spots = [(0, 0), (15, 31 * 128 + 5), (16, 32 * 128), (63, 33 * 128 + 127), (99, 4499)]  # (row, key)
     if kind == "bool":
         mask = torch.ones(shape, dtype=torch.bool, device="cuda")
-        hidden = False
     else:
         mask = torch.zeros(shape, dtype=dtype if kind == "same" else torch.float32, device="cuda")
-        hidden = float("-inf")
-    for n, (i, j) in enumerate(spots):
-        row = 0 if form == "b11s" else i
-        val = hidden if n % 2 == 0 or kind == "bool" else 12.0  # a finite value changes a logit too
-        mask[..., row, j] = val
+    hidden = torch.zeros(shape, dtype=torch.bool, device="cuda")
+    raised = torch.zeros(shape, dtype=torch.bool, device="cuda")
+    for slot, lead in enumerate(torch.cartesian_prod(*[torch.arange(n) for n in shape[:-2]]).view(-1, len(shape) - 2).tolist()
+                                if len(shape) > 2 else [[]]):
+        for n, (i, j) in enumerate(spots):
+            i = 0 if form == "b11s" else i % L
+            j = j + 2 * slot if j + 2 * slot < S else j - 2 * slot
+            at = (*lead, i, j)
+            if n % 2 == 0 or kind == "bool":
+                mask[at] = False if kind == "bool" else float("-inf")
+                hidden[at] = True
+            else:  # a finite value changes a logit too: e^12 times the key's weight
+                mask[at] = 12.0
+                raised[at] = True
     (out, probs), names = cuda_kernels(lambda: sdpa_math.attention(q, k, v, mask))
     assert any("forward_sm90" in n for n in names), names
     assert any("build_mask_plan" in n for n in names) == (form != "bhls"), names
+    full = (B, H, L, S)
+    assert (probs[hidden.expand(full)] == 0).all()
+    if kind != "bool":
+        rows = raised.expand(full).any(-1)
+        assert ((probs * raised.expand(full)).sum(-1)[rows] > 0.25).all()
     ref_out, ref_p, _ = reference(q, k, v, mask, False, E ** -0.5, False)
-    for n, (i, j) in enumerate(spots):
-        rows = slice(None) if form == "b11s" else i
-        if n % 2 == 0 or kind == "bool":
-            assert (probs[:, :, rows, j] == 0).all()
-        else:  # e^12 times the key's weight: most of the row
-            assert (probs[:, :, rows, j] > 0.1).all()
     rtol, atol = TOL[dtype]
     torch.testing.assert_close(probs.double(), ref_p, rtol=rtol, atol=atol)
     torch.testing.assert_close(out.double(), ref_out, rtol=rtol * 5, atol=atol * 20)

@@ -278,7 +278,9 @@ __global__ void __launch_bounds__(128) build_mask_plan(const DevProblem p, uint3
     const int64_t tile = item % n_tiles, group = (item / n_tiles) % groups, lead = item / (n_tiles * groups);
     const char* m0 = p.mask.data + (plan_mask_offset(p, lead) + group * 16 * p.mask.row) * Mask::kBytes;
     const int64_t j0 = tile * kBN;
-    const int rows = groups == 1 ? 1 : static_cast<int>(p.L - group * 16 < 16 ? p.L - group * 16 : 16);
+    // Rows of the group: one for a mask broadcast over rows (not groups == 1: L <= 16 has one
+    // group of rows of its own, which the first form read as row 0 alone: review).
+    const int rows = p.mask.row == 0 ? 1 : static_cast<int>(p.L - group * 16 < 16 ? p.L - group * 16 : 16);
     const int pairs = static_cast<int>((p.S - j0 < kBN ? p.S - j0 : kBN) / 2);  // S is even (forward_applies)
     typename Mask::Raw raw[32];
 #pragma unroll
