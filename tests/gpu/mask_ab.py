@@ -11,10 +11,12 @@ Masks: none; kpad_last100 ((B, 1, 1, S) bool, the last 100 keys hidden: no tile 
 kpad_bench (batch b pads b/8 of its keys, the harness's _kpad row); bool_b1ls_rand ((B, 1, L, S)
 bool, 70 % visible: nothing to skip, no neutral tile); fmask ((B, 1, L, S) float, 0 or finfo.min
 on the last 100 keys); fmask_bench (the harness's _fmask row: batch b pads b/8 of its keys);
-fmask32 (as fmask, in fp32); hfmask (Hugging Face's causal-and-padding bool mask); then is_causal.
+fmask_bhls (as fmask, materialised per head: (B, H, L, S)); fmask32 (as fmask, in fp32); hfmask
+(Hugging Face's causal-and-padding bool mask); then is_causal.
 Median of 40 single-event timings: good for a ±5 % comparison in one run, not for the record
 (the harness is that).
 """
+import re
 import sys
 
 import torch
@@ -39,6 +41,10 @@ def masks(dtype):
         .contiguous(),
         "fmask_bench": lambda: torch.where(ar < S - torch.arange(B, device="cuda")[:, None] * S // (2 * B), 0.0,
                                            torch.finfo(dtype).min).to(dtype)[:, None, None].expand(B, 1, L, S).contiguous(),
+        "fmask_bhls": lambda: torch.where(ar < S - 100, 0.0, torch.finfo(dtype).min)
+        .to(dtype)
+        .expand(B, H, L, S)
+        .contiguous(),
         "fmask32": lambda: torch.where(ar < S - 100, 0.0, torch.finfo(torch.float32).min)
         .expand(B, 1, L, S)
         .contiguous(),
@@ -84,7 +90,8 @@ def main():
             agg = {}
             for e in prof.events():
                 if e.device_type == torch.autograd.DeviceType.CUDA:
-                    key = e.name.split("<")[0].split("(")[0].split("::")[-1][:24]
+                    found = re.search(r"(\w+)<", e.name) or re.search(r"(\w+)\(", e.name)
+                    key = found.group(1) if found else e.name[:24]
                     agg[key] = agg.get(key, 0.0) + e.device_time / 20
             print(name, n, " ".join(f"{k}={t:.1f}" for k, t in sorted(agg.items(), key=lambda kv: -kv[1])), flush=True)
         return

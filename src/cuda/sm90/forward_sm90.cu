@@ -68,9 +68,10 @@ struct Tiles {
   static constexpr int kKVBytes = kBN * D * 2;  // one K or V tile
   static constexpr int kPBytes = 64 * kBN * 2;  // one warpgroup's P tile
   static constexpr int kBarriers = 2 * kKStages + 2 * kVStages + 1;
-  // + one byte a query row: whether the row is NaN, for the causal tail's fill
+  // + one byte a query row: whether the row is NaN, for the causal tail's fill; + where each
+  // consumer warp's mask plan bits start
   static constexpr size_t kSmem =
-      1024 + kQBytes + (kKStages + kVStages) * kKVBytes + 2 * kPBuffers * kPBytes + 8 * kBarriers + kBM;
+      1024 + kQBytes + (kKStages + kVStages) * kKVBytes + 2 * kPBuffers * kPBytes + 8 * kBarriers + kBM + 4 * 8;
 };
 
 struct Args {
@@ -260,11 +261,12 @@ SDPA_MATH_D int64_t plan_mask_offset(const DevProblem& p, int64_t idx) {
   return off;
 }
 
-// The mask plan: for each plan lead, group of 16 rows (one consumer warp's, groups of 16 from row
-// 0; one group when the mask is broadcast over rows) and key tile, a bit set when every pair of
-// the tile's keys (< S) in the group's rows (< L) is neutral (MaskPair::neutral: the warp's
-// vote, taken once per mask instead of once per head and pass). A (B, 1, L, S) mask is read
-// once here, and the forward's warps load no pairs of a neutral tile. One warp per (plan lead,
+// The mask plan of a float mask: for each plan lead, group of 16 rows (one consumer warp's,
+// groups of 16 from row 0; one group when the mask is broadcast over rows) and key tile, a bit
+// set when every pair of the tile's keys (< S) in the group's rows (< L) is neutral
+// (MaskPair::neutral: the bool kernels' vote, taken once per mask instead of once per head and
+// pass). A (B, 1, L, S) mask is read once here, and the forward's warps load no pairs of a
+// neutral tile. One warp per (plan lead,
 // group, tile): 16 rows x 64 pairs, 32 loads a lane issued together. The plan starts zeroed (no
 // tile neutral), so a tile this kernel did not reach is masked, never wrongly left out.
 template <typename T, MaskKind M>
@@ -327,6 +329,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   // base-2 units, so their tiles whose pairs are neutral fold the scale as unmasked ones do (an
   // exponent one multiply-add, not a subtract and a multiply).
   constexpr bool kNatural = (MASK == MaskKind::Same && !std::is_same_v<T, __half>) || MASK == MaskKind::Float32;
+  // A float mask's forward reads the mask plan (build_mask_plan, always built for it): the warps
+  // load no pairs of a tile the plan marks neutral and take no vote. Bool masks (one byte a key:
+  // their loads cost little) keep the warps' vote, and so does the statistics form. With both
+  // paths in one kernel, every masked forward was 12-17 % slower, the plan unused (run s29-v110).
+  constexpr bool kPlanned = kMasked && !STATS && MASK != MaskKind::Bool;
   constexpr float kNegInf = -INFINITY;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* base = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -340,6 +347,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* v_empty = v_full + C::kVStages;
   uint64_t* q_full = v_empty + C::kVStages;
   uint8_t* row_is_nan = reinterpret_cast<uint8_t*>(q_full + 1);  // [kBM], the causal tail's fill value
+  int* plan_at = reinterpret_cast<int*>(row_is_nan + kBM);  // [kConsumerWarps]: where each warp's plan bits start
 
   // The longest causal row blocks first, over every head of the launch.
   const int64_t lead = a.lead0 + blockIdx.x % a.leads;
@@ -513,18 +521,17 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int r = 0; r < 2; ++r) m_row[r] = p.mask.data + (m_at + (row_ok[r] ? row[r] : 0) * p.mask.row) * esize;
   }
-  // Where this warp's bits of the mask plan start (-1: none built, the warp votes on each tile's
-  // pairs instead; an offset from a.plan, which stays in the parameter bank, so the plan holds
-  // two registers, not four, with the first word: key tiles 0-31). Warps whose rows all lie past
-  // L take the last group's bits (their logits are never used).
-  int plan_at = -1;
-  uint32_t plan_word0 = 0;
-  if constexpr (kMasked && !STATS) {
-    if (a.plan != nullptr) {
+  // Where this warp's bits of the mask plan start, as an offset from a.plan (which stays in the
+  // parameter bank) kept in shared memory: the kernel is at its register limit, and two
+  // registers more for the plan made it slower (run s29-v110). Warps whose rows all lie past L
+  // take the last group's bits (their logits are never used).
+  const int plan_warp = cw * 4 + warp;
+  if constexpr (kPlanned) {
+    if (lane == 0) {
       const int64_t group = a.plan_groups == 1 || warp_row0 / 16 >= a.plan_groups ? a.plan_groups - 1 : warp_row0 / 16;
-      plan_at = static_cast<int>((plan_lead(p, lead) * a.plan_groups + group) * a.plan_words);
-      plan_word0 = a.plan[plan_at];
+      plan_at[plan_warp] = static_cast<int>((plan_lead(p, lead) * a.plan_groups + group) * a.plan_words);
     }
+    __syncwarp();
   }
   const float scale = kNatural ? a.scale : a.scale_log2;
   const T* q_rows = sQ + cw * 64 * 64;  // this warpgroup's 64 rows of each column block
@@ -566,12 +573,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   // same pairs twice, from L1: copying row 0's instead makes each copy wait for its load, 16
   // waits a tile, 1.5x the masked kernel's time, session 18.)
   typename Mask::Raw mask_pairs[kMasked ? kBN / 8 : 1][2] = {};
-  bool pairs_masked = true;  // with a plan: whether the tile whose pairs load_mask took changes a logit
+  bool pairs_masked = true;  // kPlanned: whether the tile whose pairs load_mask took changes a logit
   auto load_mask = [&](int64_t j0) {
     if constexpr (kMasked) {
-      if (plan_at >= 0) {  // a neutral tile's pairs are not loaded
+      if constexpr (kPlanned) {  // a neutral tile's pairs are not loaded
         const int tile = static_cast<int>(j0 / kBN);
-        pairs_masked = !(((tile < 32 ? plan_word0 : a.plan[plan_at + tile / 32]) >> (tile % 32)) & 1u);
+        pairs_masked = !((a.plan[plan_at[plan_warp] + tile / 32] >> (tile % 32)) & 1u);
         if (!pairs_masked) return;
       }
       const int keys = static_cast<int>(p.S - j0 < kBN ? p.S - j0 : kBN);
@@ -661,15 +668,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   // loaded (none when next < 0). Returns whether s was left raw (the scale still to apply).
   auto to_logits = [&](float (&s)[kBN / 2], int64_t j0, bool clean, bool raw, int64_t next) {
     bool masked = false;
-    if constexpr (kMasked) {
-      if (plan_at >= 0) {
-        masked = pairs_masked;
-      } else {
-        typename Mask::Acc acc = Mask::kNeutralStart;
+    if constexpr (kPlanned) {
+      masked = pairs_masked;
+    } else if constexpr (kMasked) {
+      typename Mask::Acc acc = Mask::kNeutralStart;
 #pragma unroll
-        for (int n = 0; n < kBN / 8; ++n) acc = Mask::fold_in(Mask::fold_in(acc, mask_pairs[n][0]), mask_pairs[n][1]);
-        masked = !__all_sync(0xffffffffu, Mask::neutral(acc));
-      }
+      for (int n = 0; n < kBN / 8; ++n) acc = Mask::fold_in(Mask::fold_in(acc, mask_pairs[n][0]), mask_pairs[n][1]);
+      masked = !__all_sync(0xffffffffu, Mask::neutral(acc));
     }
     raw = raw && (MASK == MaskKind::None || MASK == MaskKind::Bool || !masked);  // float values add to scaled scores
     logits(s, j0, clean, raw, masked);
@@ -1159,9 +1164,12 @@ bool common_args(const DevProblem& p, CUtensorMap& q, CUtensorMap& k, CUtensorMa
   return true;
 }
 
-// The mask plan's size: built for a mask that lead indices share (on average two or more per
-// plan lead, as a (B, 1, L, S) mask shared by the heads), where reading it once more pays for
-// itself; a mask of its own per head keeps the warps' votes. Zero words: no plan.
+// The mask plan's size: built for every float mask of the forward (its kernels read no mask
+// without it), one bit per (plan lead, 16 rows, key tile). A mask shared by the heads ((B, 1, L,
+// S), (L, S)) is read once more for it and its neutral tiles never; a mask of its own per head
+// ((B, H, L, S)) is read a third time (the forward reads it in both passes); one broadcast over
+// rows ((B, H, 1, S), ALiBi's form) costs a row per head. Zero words: no plan (bool masks,
+// which the warps vote on, and none).
 struct PlanShape {
   int64_t leads = 0, groups = 0;
   int words = 0;
@@ -1169,11 +1177,10 @@ struct PlanShape {
 };
 PlanShape plan_shape(const DevProblem& p) {
   PlanShape s;
-  if (p.mask.data == nullptr || 2 * plan_leads(p) > p.num_lead) return s;
+  if (p.mask.data == nullptr || p.mask_is_bool) return s;
   s.leads = plan_leads(p);
   s.groups = p.mask.row == 0 ? 1 : (p.L + 15) / 16;
   s.words = static_cast<int>(((p.S + kBN - 1) / kBN + 31) / 32);
-  if (s.total_words() > INT32_MAX) return PlanShape{};  // the kernel's offsets are 32-bit (a plan of 8 GB)
   return s;
 }
 
@@ -1187,12 +1194,13 @@ bool forward_for(const DevProblem& p, uint32_t* plan, cudaStream_t stream) {
   a.mask_vec16 = p.mask_is_bool && rows_vectorizable(p.mask, p.lead_ndim, p.S, 1, 16);
   a.p_tma = make_map(&pm, p, p.probs, p.L, p.S, 64, a.p);
   const PlanShape ps = plan_shape(p);
-  if (plan != nullptr && ps.total_words() > 0) {
+  if (ps.total_words() > 0) {
+    // The kernel's plan offsets are 32-bit (a plan of 8 GB, never in practice): decline before
+    // anything is launched, as without the workspace.
+    if (plan == nullptr || ps.total_words() > INT32_MAX) return false;
     const int64_t items = ps.leads * ps.groups * ((p.S + kBN - 1) / kBN);
     const int64_t blocks = std::min<int64_t>((items + 3) / 4, int64_t(1) << 20);
-    if (mask == MaskKind::Bool)
-      build_mask_plan<T, MaskKind::Bool><<<grid_x(blocks, "sm90 mask plan"), 128, 0, stream>>>(p, plan, ps.groups, ps.words, items);
-    else if (mask == MaskKind::Same)
+    if (mask == MaskKind::Same)
       build_mask_plan<T, MaskKind::Same><<<grid_x(blocks, "sm90 mask plan"), 128, 0, stream>>>(p, plan, ps.groups, ps.words, items);
     else
       build_mask_plan<T, MaskKind::Float32><<<grid_x(blocks, "sm90 mask plan"), 128, 0, stream>>>(p, plan, ps.groups, ps.words, items);

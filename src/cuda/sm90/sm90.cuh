@@ -18,11 +18,11 @@ bool device_supported();
 // inputs' dtype and lse in fp32 (as the binding allocates them), causal, GQA, and masks that are
 // bool, of the inputs' dtype or fp32 with pair-aligned rows (any broadcast); no dropout.
 bool forward_applies(const DevProblem& p);
-// Workspace (32-bit words, zeroed by the caller) for the mask plan: which key tiles a mask
-// shared by several heads leaves every logit of 16 rows as it is; 0 when no plan is built.
+// Workspace (32-bit words, zeroed by the caller) for the mask plan: which key tiles a float mask
+// leaves every logit of 16 rows as it is; 0 without a float mask.
 int64_t forward_workspace_words(const DevProblem& p);
-// Runs it; false when the layout cannot be described to the TMA unit (nothing was launched).
-// workspace: forward_workspace_words of zeroed memory (nullptr: no plan, the same results).
+// Runs it; false when the layout cannot be described to the TMA unit, or a float mask's plan
+// has no workspace (nothing was launched). workspace: forward_workspace_words of zeroed memory.
 bool forward(const DevProblem& p, uint32_t* workspace, cudaStream_t stream);
 
 // Statistics of P without writing it (the forward kernel's STATS form): O and lse as the
