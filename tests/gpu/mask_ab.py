@@ -16,7 +16,6 @@ fmask_bhls (as fmask, materialised per head: (B, H, L, S)); fmask32 (as fmask, i
 Median of 40 single-event timings: good for a ±5 % comparison in one run, not for the record
 (the harness is that).
 """
-import re
 import sys
 
 import torch
@@ -78,22 +77,13 @@ def main():
         torch.cuda.synchronize()
         return
     if mode == "kernels":  # each mask's CUDA kernels, mean µs of 20 calls (torch profiler)
+        sys.path.insert(0, __file__.rsplit("/", 1)[0])
+        from kernel_times import kernel_ms
+
         for n, make in made.items():
             mask = make()
-            for _ in range(3):
-                sdpa_math.attention(q, k, v, mask)
-            torch.cuda.synchronize()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                for _ in range(20):
-                    sdpa_math.attention(q, k, v, mask)
-                torch.cuda.synchronize()
-            agg = {}
-            for e in prof.events():
-                if e.device_type == torch.autograd.DeviceType.CUDA:
-                    found = re.search(r"(\w+)<", e.name) or re.search(r"(\w+)\(", e.name)
-                    key = found.group(1) if found else e.name[:24]
-                    agg[key] = agg.get(key, 0.0) + e.device_time / 20
-            print(name, n, " ".join(f"{k}={t:.1f}" for k, t in sorted(agg.items(), key=lambda kv: -kv[1])), flush=True)
+            times = kernel_ms(lambda: sdpa_math.attention(q, k, v, mask), calls=20)
+            print(name, n, " ".join(f"{k}={t * 1000:.1f}" for k, t in times), flush=True)
         return
     res = {}
     for n, make in made.items():
