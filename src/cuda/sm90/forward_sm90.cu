@@ -86,8 +86,8 @@ struct Args {
   float scale;       // the scale in fp32, and times log2 e (base-2 units: unmasked, bool and fp16
   float scale_log2;  // masks)
   int64_t lead0 = 0, leads = 0;  // this launch's lead indices: lead0 .. lead0 + leads - 1
-  // The mask plan (see build_mask_plan), nullptr when none was built: which key tiles leave the
-  // logits of a warp's 16 rows as they are. Its bits for (plan lead, row group) start at
+  // The mask plan (see build_mask_plan), built for a float mask's forward (nullptr otherwise):
+  // which key tiles leave the logits of a warp's 16 rows as they are. Its bits for (plan lead, row group) start at
   // plan + (plan_lead * plan_groups + group) * plan_words; plan_groups is 1 for a mask
   // broadcast over rows.
   const uint32_t* plan = nullptr;
@@ -266,8 +266,8 @@ SDPA_MATH_D int64_t plan_mask_offset(const DevProblem& p, int64_t idx) {
 // set when every pair of the tile's keys (< S) in the group's rows (< L) is neutral
 // (MaskPair::neutral: the bool kernels' vote, taken once per mask instead of once per head and
 // pass). A (B, 1, L, S) mask is read once here, and the forward's warps load no pairs of a
-// neutral tile. One warp per (plan lead,
-// group, tile): 16 rows x 64 pairs, 32 loads a lane issued together. The plan starts zeroed (no
+// neutral tile. One warp per (plan lead, group, tile): 16 rows x 64 pairs, 32 loads a lane
+// issued together. The plan starts zeroed (no
 // tile neutral), so a tile this kernel did not reach is masked, never wrongly left out.
 template <typename T, MaskKind M>
 __global__ void __launch_bounds__(128) build_mask_plan(const DevProblem p, uint32_t* plan, int64_t groups, int words,
