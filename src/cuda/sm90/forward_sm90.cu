@@ -1194,10 +1194,11 @@ bool forward_for(const DevProblem& p, uint32_t* plan, cudaStream_t stream) {
   a.mask_vec16 = p.mask_is_bool && rows_vectorizable(p.mask, p.lead_ndim, p.S, 1, 16);
   a.p_tma = make_map(&pm, p, p.probs, p.L, p.S, 64, a.p);
   const PlanShape ps = plan_shape(p);
-  if (ps.total_words() > 0) {
-    // The kernel's plan offsets are 32-bit (a plan of 8 GB, never in practice): decline before
-    // anything is launched, as without the workspace.
-    if (plan == nullptr || ps.total_words() > INT32_MAX) return false;
+  if (mask == MaskKind::Same || mask == MaskKind::Float32) {
+    // A float mask's kernel reads the plan from its first tile on: decline before anything is
+    // launched without one (no workspace, or no key: S = 0), or where the kernel's 32-bit plan
+    // offsets would not reach (a plan of 8 GB, never in practice).
+    if (plan == nullptr || ps.total_words() <= 0 || ps.total_words() > INT32_MAX) return false;
     const int64_t items = ps.leads * ps.groups * ((p.S + kBN - 1) / kBN);
     const int64_t blocks = std::min<int64_t>((items + 3) / 4, int64_t(1) << 20);
     if (mask == MaskKind::Same)
