@@ -156,8 +156,9 @@ def test_sm90_mask_plan(dtype, kind, form, L):
         mask = torch.zeros(shape, dtype=dtype if kind == "same" else torch.float32, device="cuda")
     hidden = torch.zeros(shape, dtype=torch.bool, device="cuda")
     raised = torch.zeros(shape, dtype=torch.bool, device="cuda")
-    for slot, lead in enumerate(torch.cartesian_prod(*[torch.arange(n) for n in shape[:-2]]).view(-1, len(shape) - 2).tolist()
-                                if len(shape) > 2 else [[]]):
+    slices = [[]] if len(shape) == 2 else \
+        torch.cartesian_prod(*[torch.arange(n) for n in shape[:-2]]).view(-1, len(shape) - 2).tolist()
+    for slot, lead in enumerate(slices):  # each mask slice's lead coordinates
         for n, (i, j) in enumerate(spots):
             i = 0 if form == "b11s" else i % L
             j = j + 2 * slot if j + 2 * slot < S else j - 2 * slot
