@@ -87,9 +87,9 @@ struct Args {
   float scale_log2;  // masks)
   int64_t lead0 = 0, leads = 0;  // this launch's lead indices: lead0 .. lead0 + leads - 1
   // The mask plan (see build_mask_plan), built for a float mask's forward (nullptr otherwise):
-  // which key tiles leave the logits of a warp's 16 rows as they are. Its bits for (plan lead, row group) start at
-  // plan + (plan_lead * plan_groups + group) * plan_words; plan_groups is 1 for a mask
-  // broadcast over rows.
+  // which key tiles leave the logits of a warp's 16 rows as they are. Its bits for (plan lead,
+  // row group) start at plan + (plan_lead * plan_groups + group) * plan_words; plan_groups is 1
+  // for a mask broadcast over rows.
   const uint32_t* plan = nullptr;
   int64_t plan_groups = 0;
   int plan_words = 0;
@@ -226,7 +226,7 @@ struct MaskPair {
 
 // The mask plan's lead index of a forward lead index: the mask's lead coordinates with a nonzero
 // stride, numbered row-major (the broadcast ones dropped, so every head sharing a (B, 1, L, S)
-// mask shares its plan), and the number of such indices.
+// mask shares its plan).
 SDPA_MATH_HD int64_t plan_lead(const DevProblem& p, int64_t lead) {
   int64_t idx = 0, mult = 1;
   for (int d = p.lead_ndim - 1; d >= 0; --d) {
@@ -243,12 +243,8 @@ SDPA_MATH_HD int64_t plan_lead(const DevProblem& p, int64_t lead) {
   }
   return idx;
 }
-inline int64_t plan_leads(const DevProblem& p) {
-  int64_t n = 1;
-  for (int d = 0; d < p.lead_ndim; ++d)
-    if (p.mask.lead[d] != 0) n *= d == p.lead_ndim - 1 ? p.lead_shape[d] / p.mask.head_group : p.lead_shape[d];
-  return n;
-}
+// How many plan leads there are: the last lead index has every coordinate at its largest.
+inline int64_t plan_leads(const DevProblem& p) { return plan_lead(p, p.num_lead - 1) + 1; }
 // The mask's element offset of plan lead index idx (the inverse numbering of plan_lead).
 SDPA_MATH_D int64_t plan_mask_offset(const DevProblem& p, int64_t idx) {
   int64_t off = 0;
@@ -267,8 +263,8 @@ SDPA_MATH_D int64_t plan_mask_offset(const DevProblem& p, int64_t idx) {
 // (MaskPair::neutral: the bool kernels' vote, taken once per mask instead of once per head and
 // pass). A (B, 1, L, S) mask is read once here, and the forward's warps load no pairs of a
 // neutral tile. One warp per (plan lead, group, tile): 16 rows x 64 pairs, 32 loads a lane
-// issued together. The plan starts zeroed (no
-// tile neutral), so a tile this kernel did not reach is masked, never wrongly left out.
+// issued together. The plan starts zeroed (no tile neutral), so a tile this kernel did not
+// reach is masked, never wrongly left out.
 template <typename T, MaskKind M>
 __global__ void __launch_bounds__(128) build_mask_plan(const DevProblem p, uint32_t* plan, int64_t groups, int words,
                                                        int64_t items) {
@@ -528,7 +524,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int plan_warp = cw * 4 + warp;
   if constexpr (kPlanned) {
     if (lane == 0) {
-      const int64_t group = a.plan_groups == 1 || warp_row0 / 16 >= a.plan_groups ? a.plan_groups - 1 : warp_row0 / 16;
+      const int64_t group = warp_row0 / 16 < a.plan_groups ? warp_row0 / 16 : a.plan_groups - 1;
       plan_at[plan_warp] = static_cast<int>((plan_lead(p, lead) * a.plan_groups + group) * a.plan_words);
     }
     __syncwarp();
@@ -664,8 +660,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // The same, the mask's part decided for the warp: a tile whose pairs leave every logit of the
   // warp as it is (all keys visible, or all zero; the plan's bit, else the warp's vote on its
   // pairs) is taken as unmasked, so 7 of 8 tiles of a padding mask on 1k keys skip the
-  // per-element work. Then the pairs of the tile at `next` are
-  // loaded (none when next < 0). Returns whether s was left raw (the scale still to apply).
+  // per-element work. Then the pairs of the tile at `next` are loaded (none when next < 0). Returns whether s was left raw (the scale still to apply).
   auto to_logits = [&](float (&s)[kBN / 2], int64_t j0, bool clean, bool raw, int64_t next) {
     bool masked = false;
     if constexpr (kPlanned) {
