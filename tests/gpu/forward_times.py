@@ -18,6 +18,9 @@ SHAPES = {  # B, Hq, Hkv, L, S, E, causal
     "prefill2k_d128_causal": (2, 16, 16, 2048, 2048, 128, True),
     "gqa1k_d128": (4, 32, 8, 1024, 1024, 128, False),
     "tail100_d64": (8, 16, 16, 100, 1100, 64, False),
+    # P's rows 8- and 4-byte aligned (S % 8 != 0): no TMA store, the warpgroup copies P out
+    "prefill1k_d128_s1020": (4, 16, 16, 1024, 1020, 128, False),
+    "prefill1k_d64_s1022": (4, 16, 16, 1024, 1022, 64, False),
     "long4k_d128_causal": (1, 32, 32, 4096, 4096, 128, True),
     "decode_s2k_d128": (32, 32, 32, 1, 2048, 128, False),
     "decode_s32k_d128_gqa": (2, 32, 8, 1, 32768, 128, False),

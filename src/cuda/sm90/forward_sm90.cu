@@ -76,9 +76,10 @@ struct Tiles {
 
 struct Args {
   MapCoords q, k, v, p;
-  bool p_tma;   // P leaves through shared memory and TMA stores (rows 16-byte aligned), else
-                // as 4-byte pairs straight from registers
+  bool p_tma;   // P's tiles leave shared memory by TMA stores (rows 16-byte aligned), else by the
+                // warpgroup's own coalesced stores, 8 bytes a thread (p_vec4) or 4
   bool p_vec8;  // P's rows take 16-byte stores (the causal zeros)
+  bool p_vec4;  // P's rows take 8-byte stores
   bool mask_vec16 = false;  // a bool mask's rows take 16-byte loads (the scan for hidden key tiles)
   bool fold;    // a positive scale (in fp32): clean tiles in base-2 units fold the scale into max
                 // and exponent (decided here: a double compare in the kernel waits on the
@@ -744,7 +745,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   float o[D / 2];
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
-  // P through shared memory (a.p_tma), in three steps both pass-2 loops take: the tile's buffer
+  // P through shared memory, in three steps both pass-2 loops take: the tile's buffer
   // free (its TMA store kPBuffers tiles ago has read it: all but the kPBuffers - 1 most recent bulk
   // groups, one a tile, have); P = u / l into it by stmatrix, 16 rows x 16 keys (four 8 x 8
   // matrices) an instruction at the addresses p_addr precomputed, each u pair also handed to
@@ -772,8 +773,36 @@ __global__ void __launch_bounds__(kThreads, 1)
       stmatrix_x4(p_addr[n2 % 4] + (p_buf * (kBN / 64) + n2 / 4) * 64 * 64 * 2, pr[0], pr[1], pr[2], pr[3]);
     }
   };
+  // Rows of P that TMA cannot address (not 16-byte aligned: S % 8 != 0, as for most prompt
+  // lengths) leave the staged tile by the warpgroup's stores of W bytes, each warp instruction
+  // writing 32 W contiguous bytes of one row, where stores straight from the registers' fragments
+  // wrote 16 bytes in each of 8 rows (a third slower on prefill1k_d64, run s26-v95). The tile's
+  // buffer is free again once the warpgroup has passed its next barrier.
+  auto p_tile_copy = [&](int p_buf, int64_t j0, auto width) {
+    constexpr int kW = decltype(width)::value, kPerRow = kBN * 2 / kW, kRowsAStep = 128 / kPerRow;
+    using Word = std::conditional_t<kW == 8, uint2, uint32_t>;
+    const int keys = static_cast<int>(p.S - j0 < kBN ? p.S - j0 : kBN);
+    const int piece = tid % kPerRow, key = piece * (kW / 2);  // S % (kW / 2) == 0: never straddles S
+    const int b = key / 64, chunk = (key % 64) / 8, within = key % 8;
+    const T* block = p_tile + (p_buf * (kBN / 64) + b) * 64 * 64;
+#pragma unroll 4
+    for (int rr = tid / kPerRow; rr < 64; rr += kRowsAStep) {
+      const int64_t i = i0 + cw * 64 + rr;
+      if (i < p.L && key < keys)
+        *reinterpret_cast<Word*>(P + i * p.probs.row + j0 + key) =
+            *reinterpret_cast<const Word*>(block + rr * 64 + ((chunk ^ (rr & 7)) * 8) + within);
+    }
+  };
   auto p_tile_out = [&](int p_buf, int64_t j0) {
     FWD_STAMP(trace::kP2PStaged);
+    if (!a.p_tma) {
+      named_barrier(p_bar, 128);
+      if (a.p_vec4)
+        p_tile_copy(p_buf, j0, std::integral_constant<int, 8>{});
+      else
+        p_tile_copy(p_buf, j0, std::integral_constant<int, 4>{});
+      return;
+    }
     fence_proxy_async();
     named_barrier(p_bar, 128);
     if (p_leader) {
@@ -802,30 +831,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       const bool clean = tile_is_clean(j0);
       const bool raw = to_logits(s, j0, clean, fold && clean, -1);  // unmasked (kOverlap): no pairs to load
       const float mul = raw ? scale : 1.0f;
-      const int keys = static_cast<int>(p.S - j0 < kBN ? p.S - j0 : kBN);
       const int p_buf = nt % C::kPBuffers;
-      if (a.p_tma) {
-        p_buffer_free();
-        float (&u)[kBN / 2] = s;  // u replaces s in place, for pack_u after u V of the last tile
-        p_to_smem(s, mul, p_buf, [&](int n2, int nb, int r, float u0, float u1) {
-          u[4 * (2 * n2 + nb) + 2 * r] = u0;
-          u[4 * (2 * n2 + nb) + 2 * r + 1] = u1;
-        });
-        p_tile_out(p_buf, j0);
-      } else {
-#pragma unroll
-        for (int n = 0; n < kBN / 8; ++n)
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const float u0 = exp_from<kNatural>(s[4 * n + 2 * r], mul, m[r]);
-            const float u1 = exp_from<kNatural>(s[4 * n + 2 * r + 1], mul, m[r]);
-            s[4 * n + 2 * r] = u0;
-            s[4 * n + 2 * r + 1] = u1;
-            const int jj = n * 8 + 2 * t;  // S is even (forward_applies): pairs never straddle the end
-            if (row_ok[r] && (clean || jj < keys))
-              *reinterpret_cast<uint32_t*>(p_row[r] + j0 + jj) = pack2<T>(u0 * inv_l[r], u1 * inv_l[r]);
-          }
-      }
+      p_buffer_free();
+      float (&u)[kBN / 2] = s;  // u replaces s in place, for pack_u after u V of the last tile
+      p_to_smem(s, mul, p_buf, [&](int n2, int nb, int r, float u0, float u1) {
+        u[4 * (2 * n2 + nb) + 2 * r] = u0;
+        u[4 * (2 * n2 + nb) + 2 * r + 1] = u1;
+      });
+      p_tile_out(p_buf, j0);
       FWD_STAMP(trace::kP2Written);
     };
     // A fragment of k-step n2: {row g, keys 2t..} {row g+8, 2t..} {g, 2t+8..} {g+8, 2t+8..}.
@@ -947,10 +960,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     // This key tile's P buffer; its last TMA store (kPBuffers tiles ago) has read it before it is
     // rewritten: all but the kPBuffers - 1 most recent bulk groups (one a tile) have.
     const int p_buf = nt % C::kPBuffers;
-    if (!STATS && a.p_tma) p_buffer_free();
+    if constexpr (!STATS) p_buffer_free();
     uint32_t u_frag[kBN / 16][4];
     float col[STATS ? kBN / 4 : 1];  // this thread's two rows of P summed: keys 8n + 2t (+1) at 2n (+1)
-    if (!STATS && a.p_tma) {
+    if constexpr (!STATS) {
       // A fragment of k-step n2: {row g, keys 2t..} {row g+8, 2t..} {g, 2t+8..} {g+8, 2t+8..}.
       p_to_smem(s, mul, p_buf, [&](int n2, int nb, int r, float u0, float u1) {
         u_frag[n2][nb * 2 + r] = pack2<T>(u0, u1);
@@ -983,7 +996,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
     }
-    if (!STATS && a.p_tma) p_tile_out(p_buf, j0);
+    if constexpr (!STATS) p_tile_out(p_buf, j0);
     FWD_STAMP(trace::kP2Written);
     mbar_wait(&v_full[v_stage], (nt / C::kVStages) & 1);
     FWD_STAMP(trace::kP2VFull);
@@ -1186,6 +1199,7 @@ bool forward_for(const DevProblem& p, uint32_t* plan, cudaStream_t stream) {
   MaskKind mask;
   if (!common_args(p, q, k, v, a, mask)) return false;
   a.p_vec8 = rows_vectorizable(p.probs, p.lead_ndim, p.S, 2, 8);
+  a.p_vec4 = rows_vectorizable(p.probs, p.lead_ndim, p.S, 2, 4);
   a.mask_vec16 = p.mask_is_bool && rows_vectorizable(p.mask, p.lead_ndim, p.S, 1, 16);
   a.p_tma = make_map(&pm, p, p.probs, p.L, p.S, 64, a.p);
   const PlanShape ps = plan_shape(p);
@@ -1225,6 +1239,7 @@ bool stats_for(const DevProblem& p, const StatsTargets& t, float* workspace, cud
   if (!common_args(p, q, k, v, a, mask)) return false;
   a.p_tma = false;
   a.p_vec8 = false;
+  a.p_vec4 = false;
   std::memset(&unused, 0, sizeof(unused));
   StatsArgs st;
   st.ent = t.entropy;
