@@ -3,6 +3,7 @@ line per shape: for comparing kernel versions in one GPU call (run once with SDP
 the mma.sync path). The side-by-side benchmark with the other implementations is sdpa_math.bench.
 
     python3 tests/gpu/forward_times.py [float16|bfloat16]
+    ncu ... python3 tests/gpu/forward_times.py one NAME [dtype]   # three calls of one shape: profile the third
 
 (forward + backward times per kernel: tests/gpu/backward_times.py, tests/gpu/kernel_times.py)
 """
@@ -45,7 +46,20 @@ def median_ms(fn, reps=30):
     return sorted(times)[len(times) // 2]
 
 
+def one(name, dtype):
+    """Three forward calls of one shape (unmasked), for Nsight Compute's --launch-skip 2."""
+    B, H, Hkv, L, S, E, causal = SHAPES[name]
+    q = torch.randn(B, H, L, E, device="cuda", dtype=dtype)
+    k, v = (torch.randn(B, Hkv, S, E, device="cuda", dtype=dtype) for _ in range(2))
+    for _ in range(3):
+        sdpa_math.attention(q, k, v, None, 0.0, causal, enable_gqa=H != Hkv)
+    torch.cuda.synchronize()
+
+
 def main():
+    if sys.argv[1:2] == ["one"]:
+        one(sys.argv[2], getattr(torch, sys.argv[3]) if len(sys.argv) > 3 else torch.float16)
+        return
     dtype = getattr(torch, sys.argv[1]) if len(sys.argv) > 1 and not sys.argv[1].startswith("-") else torch.float16
     for name, (B, H, Hkv, L, S, E, causal) in SHAPES.items():
         q = torch.randn(B, H, L, E, device="cuda", dtype=dtype)

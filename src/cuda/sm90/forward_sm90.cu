@@ -320,6 +320,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // longer) and the masked kernels (with the mask's pairs live as well they spill: fp32 mask,
   // head 128, 940 bytes; with the pairs loaded a tile ahead, session 28, bool 156 and fp16 64).
   constexpr bool kOverlap = !STATS && !kMasked && D == 128;
+  static_assert(!kOverlap || C::kPBuffers == 2, "kOverlap copies tile n - 1's P out while tile n's is staged");
   // Logits in natural units only where a mask value can be near fp32's lowest (an fp32 or bf16
   // mask): a row held at finfo.min would overflow fp32 in base 2. A bool mask selects -inf,
   // which base 2 takes as is, and an fp16 mask's lowest (-65504) is 94500 in base 2: those are in
@@ -776,8 +777,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Rows of P that TMA cannot address (not 16-byte aligned: S % 8 != 0, as for most prompt
   // lengths) leave the staged tile by the warpgroup's stores of W bytes, each warp instruction
   // writing 32 W contiguous bytes of one row, where stores straight from the registers' fragments
-  // wrote 16 bytes in each of 8 rows (a third slower on prefill1k_d64, run s26-v95). The tile's
-  // buffer is free again once the warpgroup has passed its next barrier.
+  // wrote 16 bytes in each of 8 rows (a third slower on prefill1k_d64, run s26-v95). The copy
+  // runs after the warpgroup has issued its next products (p_tile_out only waits for the tile to
+  // be staged), so that it overlaps them; the tile's buffer is free again once the warpgroup has
+  // passed its next p_buffer_free.
   auto p_tile_copy = [&](int p_buf, int64_t j0, auto width) {
     constexpr int kW = decltype(width)::value, kPerRow = kBN * 2 / kW, kRowsAStep = 128 / kPerRow;
     using Word = std::conditional_t<kW == 8, uint2, uint32_t>;
@@ -793,14 +796,16 @@ __global__ void __launch_bounds__(kThreads, 1)
             *reinterpret_cast<const Word*>(block + rr * 64 + ((chunk ^ (rr & 7)) * 8) + within);
     }
   };
+  auto p_tile_copy_out = [&](int p_buf, int64_t j0) {
+    if (a.p_vec4)
+      p_tile_copy(p_buf, j0, std::integral_constant<int, 8>{});
+    else
+      p_tile_copy(p_buf, j0, std::integral_constant<int, 4>{});
+  };
   auto p_tile_out = [&](int p_buf, int64_t j0) {
     FWD_STAMP(trace::kP2PStaged);
-    if (!a.p_tma) {
+    if (!a.p_tma) {  // staged: the warpgroup copies it out after issuing its next products
       named_barrier(p_bar, 128);
-      if (a.p_vec4)
-        p_tile_copy(p_buf, j0, std::integral_constant<int, 8>{});
-      else
-        p_tile_copy(p_buf, j0, std::integral_constant<int, 4>{});
       return;
     }
     fence_proxy_async();
@@ -897,6 +902,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       issue_scores(s, sK + (kt % C::kKStages) * kBN * D);
       issue_pv(nt);
       turn_end();
+      // Tile nt - 1's P under both products; its buffer ((nt - 1) % 2) is written again by tile
+      // nt + 1, after that tile's p_buffer_free.
+      if (!a.p_tma) p_tile_copy_out((nt - 1) % C::kPBuffers, static_cast<int64_t>(nt - 1) * kBN);
       wgmma_wait<1>();  // S of this tile; u V of the last may still run
       fence_regs(s);
       FWD_STAMP(trace::kP2Done);
@@ -913,6 +921,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       turn_begin();
       issue_pv(n_tiles);
       turn_end();
+      if (!a.p_tma) p_tile_copy_out((n_tiles - 1) % C::kPBuffers, static_cast<int64_t>(n_tiles - 1) * kBN);
       wgmma_wait<0>();
       fence_pv_operands();
       if (lane == 0) mbar_arrive(&v_empty[(n_tiles - 1) % C::kVStages]);
@@ -1012,6 +1021,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       Wgmma<T, D>::template rs<1>(o, u_frag[kk], desc_sw128(v_tile + kk * 16 * 64, kBN * 128, 1024), 1);
     wgmma_commit();
     turn_end();
+    if constexpr (!STATS) {
+      if (!a.p_tma) p_tile_copy_out(p_buf, j0);  // under u V
+    }
     wgmma_wait<0>();
     fence_regs(o);
     FWD_STAMP(trace::kP2PvDone);
