@@ -781,19 +781,43 @@ __global__ void __launch_bounds__(kThreads, 1)
   // runs after the warpgroup has issued its next products (p_tile_out only waits for the tile to
   // be staged), so that it overlaps them; the tile's buffer is free again once the warpgroup has
   // passed its next p_buffer_free.
+  // Lane l takes keys 4 l .. 4 l + 3 (8 bytes, in 64-key block l / 16, chunk (l % 16) / 2 of the
+  // swizzle); warp w rows w + 4 k, k < 16, whose swizzle row (w + 4 k) % 8 is w or w + 4 in turn,
+  // so the shared-memory addresses are two values plus constants and the global address steps
+  // by 4 rows. Four loads (LDS, by shared-window address) are issued before their stores: the
+  // first form, through generic pointers, compiled to generic loads each waited for before its
+  // store (~30 instructions a store, run s30-v114).
   auto p_tile_copy = [&](int p_buf, int64_t j0, auto width) {
-    constexpr int kW = decltype(width)::value, kPerRow = kBN * 2 / kW, kRowsAStep = 128 / kPerRow;
-    using Word = std::conditional_t<kW == 8, uint2, uint32_t>;
-    const int keys = static_cast<int>(p.S - j0 < kBN ? p.S - j0 : kBN);
-    const int piece = tid % kPerRow, key = piece * (kW / 2);  // S % (kW / 2) == 0: never straddles S
-    const int b = key / 64, chunk = (key % 64) / 8, within = key % 8;
-    const T* block = p_tile + (p_buf * (kBN / 64) + b) * 64 * 64;
-#pragma unroll 4
-    for (int rr = tid / kPerRow; rr < 64; rr += kRowsAStep) {
-      const int64_t i = i0 + cw * 64 + rr;
-      if (i < p.L && key < keys)
-        *reinterpret_cast<Word*>(P + i * p.probs.row + j0 + key) =
-            *reinterpret_cast<const Word*>(block + rr * 64 + ((chunk ^ (rr & 7)) * 8) + within);
+    constexpr int kW = decltype(width)::value;  // store width: 8 (rows 8-byte aligned) or 4 bytes
+    const int chunk = (lane % 16) / 2;
+    const uint32_t block = smem_u32(p_tile + (p_buf * (kBN / 64) + lane / 16) * 64 * 64 + warp * 64 + (lane % 2) * 4);
+    const uint32_t from[2] = {block + (chunk ^ warp) * 16, block + (chunk ^ warp ^ 4) * 16};
+    const int64_t first = i0 + cw * 64 + warp;  // this warp's first row
+    const int rows = static_cast<int>(first >= p.L ? 0 : (p.L - first + 3) / 4);  // rows w + 4 k below L
+    const int64_t key = j0 + lane * 4;
+    if (key >= p.S) return;  // S % (kW / 2) == 0: a piece is all in or all out
+    char* to = reinterpret_cast<char*>(P + first * p.probs.row + key);
+    const int64_t step = 4 * p.probs.row * static_cast<int64_t>(sizeof(T));
+    auto put = [&](uint2 w) {
+      if constexpr (kW == 8) {
+        *reinterpret_cast<uint2*>(to) = w;
+      } else {
+        reinterpret_cast<uint32_t*>(to)[0] = w.x;
+        reinterpret_cast<uint32_t*>(to)[1] = w.y;
+      }
+      to += step;
+    };
+    if (rows >= 16) {  // all 16 of the warp's rows (every row block but a last partial one)
+#pragma unroll
+      for (int k0 = 0; k0 < 16; k0 += 4) {
+        uint2 w[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) w[k] = lds64(from[k & 1] + (k0 + k) * 4 * 64 * 2);  // 4 rows a step
+#pragma unroll
+        for (int k = 0; k < 4; ++k) put(w[k]);
+      }
+    } else {
+      for (int k = 0; k < rows; ++k) put(lds64(from[k & 1] + k * 4 * 64 * 2));
     }
   };
   auto p_tile_copy_out = [&](int p_buf, int64_t j0) {

@@ -49,6 +49,13 @@ SDPA_MATH_D uint32_t lds32(uint32_t addr) {
   return v;
 }
 
+// A 64-bit shared-memory load (LDS.64; see lds32).
+SDPA_MATH_D uint2 lds64(uint32_t addr) {
+  uint2 v;
+  asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr) : "memory");
+  return v;
+}
+
 // A 32-bit shared-memory store at a shared-window address (STS; see lds32).
 SDPA_MATH_D void sts32(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
