@@ -307,12 +307,17 @@ __global__ void __launch_bounds__(128) build_mask_plan(const DevProblem p, uint3
 // STATS: the statistics kernel. P is not written (except the rows of st.win); pass 2 reduces it
 // instead: each row's entropy −Σ P log P = log l + Σ_j P_j (m − x_j) (every term ≥ 0, no
 // cancellation; m the row's max logit, l its sum of exp(x − m)) and the warpgroup's column sums.
-template <typename T, int D, MaskKind MASK, bool STATS>
+//
+// P_COPY: P's rows are not 16-byte aligned (S % 8 != 0) and its staged tiles leave by the
+// warpgroup's own stores instead of TMA. Kernels of their own: with the copy's code in the TMA
+// kernels (never run there) those were 3-7 % slower at their register limit (run s30-v115).
+template <typename T, int D, MaskKind MASK, bool STATS, bool P_COPY = false>
 __global__ void __launch_bounds__(kThreads, 1)
     forward_sm90(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                  const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_p, const DevProblem p,
                  const Args a, const StatsArgs st, const int64_t tiles) {
   using C = Tiles<D, STATS>;
+  static_assert(!(STATS && P_COPY), "the statistics kernel writes no P tile");
   constexpr bool kMasked = MASK != MaskKind::None;
   // Pass 2 with the warpgroup's own products overlapped (see the loop), in the unmasked head-128
   // forward: prefill1k_d128 -2.5 %, gqa1k_d128 -4 % (run s26-v93). Head 64 lost 1-2 % with it and
@@ -753,7 +758,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   // `keep` (n2, nb, r, u0, u1) for the products; the tile to global memory (TMA clips it at L and
   // S) while the products run.
   auto p_buffer_free = [&] {
-    if (p_leader) bulk_wait_read<C::kPBuffers - 1>();
+    if constexpr (!P_COPY) {
+      if (p_leader) bulk_wait_read<C::kPBuffers - 1>();
+    }
     named_barrier(p_bar, 128);
     FWD_STAMP(trace::kP2PFree);
   };
@@ -795,7 +802,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int64_t first = i0 + cw * 64 + warp;  // this warp's first row
     const int rows = static_cast<int>(first >= p.L ? 0 : (p.L - first + 3) / 4);  // rows w + 4 k below L
     const int64_t key = j0 + lane * 4;
-    if (key >= p.S) return;  // S % (kW / 2) == 0: a piece is all in or all out
+    if (key >= p.S) return;
+    const bool whole = key + 4 <= p.S;  // always with 8-byte stores (S % 4 == 0); else S % 2 == 0
     char* to = reinterpret_cast<char*>(P + first * p.probs.row + key);
     const int64_t step = 4 * p.probs.row * static_cast<int64_t>(sizeof(T));
     auto put = [&](uint2 w) {
@@ -803,7 +811,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         *reinterpret_cast<uint2*>(to) = w;
       } else {
         reinterpret_cast<uint32_t*>(to)[0] = w.x;
-        reinterpret_cast<uint32_t*>(to)[1] = w.y;
+        if (whole) reinterpret_cast<uint32_t*>(to)[1] = w.y;
       }
       to += step;
     };
@@ -828,18 +836,18 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   auto p_tile_out = [&](int p_buf, int64_t j0) {
     FWD_STAMP(trace::kP2PStaged);
-    if (!a.p_tma) {  // staged: the warpgroup copies it out after issuing its next products
+    if constexpr (P_COPY) {  // staged: the warpgroup copies it out after issuing its next products
       named_barrier(p_bar, 128);
-      return;
-    }
-    fence_proxy_async();
-    named_barrier(p_bar, 128);
-    if (p_leader) {
+    } else {
+      fence_proxy_async();
+      named_barrier(p_bar, 128);
+      if (p_leader) {
 #pragma unroll
-      for (int b = 0; b < kBN / 64; ++b)
-        tma_store_5d(&tm_p, p_tile + (p_buf * (kBN / 64) + b) * 64 * 64, static_cast<int>(j0) + b * 64,
-                     static_cast<int>(i0) + cw * 64, cp[0], cp[1], cp[2]);
-      bulk_commit();
+        for (int b = 0; b < kBN / 64; ++b)
+          tma_store_5d(&tm_p, p_tile + (p_buf * (kBN / 64) + b) * 64 * 64, static_cast<int>(j0) + b * 64,
+                       static_cast<int>(i0) + cw * 64, cp[0], cp[1], cp[2]);
+        bulk_commit();
+      }
     }
   };
   if constexpr (kOverlap) {
@@ -928,7 +936,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       turn_end();
       // Tile nt - 1's P under both products; its buffer ((nt - 1) % 2) is written again by tile
       // nt + 1, after that tile's p_buffer_free.
-      if (!a.p_tma) p_tile_copy_out((nt - 1) % C::kPBuffers, static_cast<int64_t>(nt - 1) * kBN);
+      if constexpr (P_COPY) p_tile_copy_out((nt - 1) % C::kPBuffers, static_cast<int64_t>(nt - 1) * kBN);
       wgmma_wait<1>();  // S of this tile; u V of the last may still run
       fence_regs(s);
       FWD_STAMP(trace::kP2Done);
@@ -945,7 +953,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       turn_begin();
       issue_pv(n_tiles);
       turn_end();
-      if (!a.p_tma) p_tile_copy_out((n_tiles - 1) % C::kPBuffers, static_cast<int64_t>(n_tiles - 1) * kBN);
+      if constexpr (P_COPY) p_tile_copy_out((n_tiles - 1) % C::kPBuffers, static_cast<int64_t>(n_tiles - 1) * kBN);
       wgmma_wait<0>();
       fence_pv_operands();
       if (lane == 0) mbar_arrive(&v_empty[(n_tiles - 1) % C::kVStages]);
@@ -1045,9 +1053,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       Wgmma<T, D>::template rs<1>(o, u_frag[kk], desc_sw128(v_tile + kk * 16 * 64, kBN * 128, 1024), 1);
     wgmma_commit();
     turn_end();
-    if constexpr (!STATS) {
-      if (!a.p_tma) p_tile_copy_out(p_buf, j0);  // under u V
-    }
+    if constexpr (P_COPY) p_tile_copy_out(p_buf, j0);  // under u V
     wgmma_wait<0>();
     fence_regs(o);
     FWD_STAMP(trace::kP2PvDone);
@@ -1058,7 +1064,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     if (lane == 0) mbar_arrive(&v_empty[v_stage]);
   }
-  if (!STATS && a.p_tma && p_leader) bulk_wait_read<0>();  // shared memory outlives the last store's reads
+  if constexpr (!STATS && !P_COPY) {
+    if (p_leader) bulk_wait_read<0>();  // shared memory outlives the last store's reads
+  }
   if (one_pass) finish_rows();
 
   // O = (u V) / l, two columns a store.
@@ -1147,14 +1155,14 @@ __global__ void stats_columns(const float* __restrict__ part, const float* __res
   }
 }
 
-template <typename T, int D, MaskKind MASK, bool STATS>
+template <typename T, int D, MaskKind MASK, bool STATS, bool P_COPY>
 void launch(const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& v, const CUtensorMap& pm,
             const DevProblem& p, const Args& a, const StatsArgs& st, cudaStream_t stream) {
   const int64_t tiles = (p.L + kBM - 1) / kBM;
   const int64_t blocks = tiles * a.leads;
   const char* what = STATS ? "sm90 statistics" : "sm90 forward";
   const unsigned grid = grid_x(blocks, what);
-  const auto kernel = &forward_sm90<T, D, MASK, STATS>;
+  const auto kernel = &forward_sm90<T, D, MASK, STATS, P_COPY>;
   set_smem_limit(reinterpret_cast<const void*>(kernel), Tiles<D, STATS>::kSmem);
 #ifdef SDPA_MATH_FWD_TRACE
   if (!STATS) trace::clear(stream);
@@ -1166,22 +1174,22 @@ void launch(const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& v, co
 #endif
 }
 
-template <typename T, int D, bool STATS>
+template <typename T, int D, bool STATS, bool P_COPY>
 void launch_for_mask(const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& v, const CUtensorMap& pm,
                      const DevProblem& p, const Args& a, const StatsArgs& st, MaskKind mask, cudaStream_t stream) {
   switch (mask) {
-    case MaskKind::None: return launch<T, D, MaskKind::None, STATS>(q, k, v, pm, p, a, st, stream);
-    case MaskKind::Bool: return launch<T, D, MaskKind::Bool, STATS>(q, k, v, pm, p, a, st, stream);
-    case MaskKind::Same: return launch<T, D, MaskKind::Same, STATS>(q, k, v, pm, p, a, st, stream);
-    case MaskKind::Float32: return launch<T, D, MaskKind::Float32, STATS>(q, k, v, pm, p, a, st, stream);
+    case MaskKind::None: return launch<T, D, MaskKind::None, STATS, P_COPY>(q, k, v, pm, p, a, st, stream);
+    case MaskKind::Bool: return launch<T, D, MaskKind::Bool, STATS, P_COPY>(q, k, v, pm, p, a, st, stream);
+    case MaskKind::Same: return launch<T, D, MaskKind::Same, STATS, P_COPY>(q, k, v, pm, p, a, st, stream);
+    case MaskKind::Float32: return launch<T, D, MaskKind::Float32, STATS, P_COPY>(q, k, v, pm, p, a, st, stream);
   }
 }
 
-template <bool STATS, typename T>
+template <bool STATS, bool P_COPY, typename T>
 void launch_for_head(const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& v, const CUtensorMap& pm,
                      const DevProblem& p, const Args& a, const StatsArgs& st, MaskKind mask, cudaStream_t stream) {
-  if (padded_head(p.E) == 64) launch_for_mask<T, 64, STATS>(q, k, v, pm, p, a, st, mask, stream);
-  else launch_for_mask<T, 128, STATS>(q, k, v, pm, p, a, st, mask, stream);
+  if (padded_head(p.E) == 64) launch_for_mask<T, 64, STATS, P_COPY>(q, k, v, pm, p, a, st, mask, stream);
+  else launch_for_mask<T, 128, STATS, P_COPY>(q, k, v, pm, p, a, st, mask, stream);
 }
 
 // The mask's kind, or false when this kernel does not read it (another float dtype).
@@ -1255,7 +1263,8 @@ bool forward_for(const DevProblem& p, uint32_t* plan, cudaStream_t stream) {
     a.plan_groups = ps.groups;
     a.plan_words = ps.words;
   }
-  launch_for_head<false, T>(q, k, v, pm, p, a, StatsArgs{}, mask, stream);
+  if (a.p_tma) launch_for_head<false, false, T>(q, k, v, pm, p, a, StatsArgs{}, mask, stream);
+  else launch_for_head<false, true, T>(q, k, v, pm, p, a, StatsArgs{}, mask, stream);
   return true;
 }
 
@@ -1293,7 +1302,7 @@ bool stats_for(const DevProblem& p, const StatsTargets& t, float* workspace, cud
       st.col_nan = workspace + a.leads * 2 * tiles * p.S;
       check_cuda(cudaMemsetAsync(st.col_nan, 0, sizeof(float) * a.leads * 2 * tiles, stream), "clearing the NaN flags");
     }
-    launch_for_head<true, T>(q, k, v, unused, p, a, st, mask, stream);
+    launch_for_head<true, false, T>(q, k, v, unused, p, a, st, mask, stream);
     if (cols) {
       const int64_t blocks = std::min<int64_t>((a.leads * p.S + 255) / 256, 65535);
       stats_columns<<<grid_x(blocks, "sm90 column sums"), 256, 0, stream>>>(st.col_part, st.col_nan, p, t.col_sum, lead0,
