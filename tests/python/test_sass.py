@@ -57,30 +57,34 @@ def sm90_backward(sm90_functions):
 
 @pytest.fixture(scope="module")
 def sm90_forward(sm90_functions):
-    """(forward kernels, statistics kernels): forward_sm90<T, D, MASK, STATS> by its last template
-    argument (the mangled name's Lb0 / Lb1), not its helpers (stats_columns)."""
+    """(forward kernels storing P by TMA, forward kernels copying P out, statistics kernels):
+    forward_sm90<T, D, MASK, STATS, P_COPY> by its last two template arguments (the mangled name's
+    Lb0 / Lb1 pairs), not its helpers (stats_columns)."""
     kernels = {n: b for n, b in sm90_functions.items() if re.search(r"\d+forward_sm90I", n)}
-    return ({n: b for n, b in kernels.items() if "ELb0E" in n}, {n: b for n, b in kernels.items() if "ELb1E" in n})
+    return tuple({n: b for n, b in kernels.items() if tag in n} for tag in ("ELb0ELb0E", "ELb0ELb1E", "ELb1ELb0E"))
 
 
 def test_every_sm90_forward_kernel_uses_hgmma_and_tma(sm90_forward):
-    forward, stats = sm90_forward
-    # fp16/bf16 x head 64/128 x no mask, bool, same dtype, fp32; the same for the statistics form
-    assert len(forward) == 16 and len(stats) == 16
-    for name, body in {**forward, **stats}.items():
+    by_tma, by_copy, stats = sm90_forward
+    # fp16/bf16 x head 64/128 x no mask, bool, same dtype, fp32; the same for P's copy-out and for
+    # the statistics form
+    assert len(by_tma) == 16 and len(by_copy) == 16 and len(stats) == 16
+    for name, body in {**by_tma, **by_copy, **stats}.items():
         assert re.search(r"\bHGMMA\.64x128x16\.F32", body), name
         assert "UTMALDG" in body, name
         assert not re.search(r"\bHMMA\b", body), name
-    for name, body in forward.items():  # P leaves by TMA stores (the statistics kernels keep it)
+    for name, body in by_tma.items():  # P leaves by TMA stores (the statistics kernels keep it)
         assert "UTMASTG" in body, name
+    for name, body in by_copy.items():  # or from shared memory by the warpgroup's 8-byte stores
+        assert "UTMASTG" not in body and re.search(r"\bLDS\.64\b", body) and "STG.E.64" in body, name
 
 
 def test_unmasked_sm90_forward_keeps_registers_out_of_local_memory(sm90_forward):
     # MaskKind 0 (no mask) is the anchors' kernel: a spill there costs every unmasked call. (The
     # statistics kernels are not held to it: their column sums' registers push the head-128 one
     # past its 232; bench/NOTES.md, session 17.)
-    unmasked = {n: b for n, b in sm90_forward[0].items() if "MaskKindE0E" in n}
-    assert len(unmasked) == 4
+    unmasked = {n: b for kind in sm90_forward[:2] for n, b in kind.items() if "MaskKindE0E" in n}
+    assert len(unmasked) == 8
     for name, body in unmasked.items():
         assert not re.search(r"\b(LDL|STL)\b", body), name
 
@@ -91,7 +95,7 @@ def test_no_sm90_kernel_has_its_warpgroup_products_serialised(sm90_functions):
     # product before the next (a WARPGROUP.DEPBAR after every HGMMA) and the kernel runs at a
     # fraction of its speed, with correct results. Unserialised, a wait ends a whole group of them.
     kernels = {n: b for n, b in sm90_functions.items() if re.search(r"\d+(forward|backward)_sm90I", n)}
-    assert len(kernels) == 44  # 16 forward, 16 statistics, 12 backward
+    assert len(kernels) == 60  # 32 forward (P by TMA, P copied), 16 statistics, 12 backward
     for name, body in kernels.items():
         products = len(re.findall(r"\bHGMMA\.", body))
         waits = len(re.findall(r"\bWARPGROUP\.DEPBAR\b", body))

@@ -798,7 +798,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     constexpr int kW = decltype(width)::value;  // store width: 8 (rows 8-byte aligned) or 4 bytes
     const int chunk = (lane % 16) / 2;
     const uint32_t block = smem_u32(p_tile + (p_buf * (kBN / 64) + lane / 16) * 64 * 64 + warp * 64 + (lane % 2) * 4);
-    const uint32_t from[2] = {block + (chunk ^ warp) * 16, block + (chunk ^ warp ^ 4) * 16};
+    // (two scalars, not an array: indexed at run time below, an array went to the stack)
+    const uint32_t from_even = block + (chunk ^ warp) * 16, from_odd = block + (chunk ^ warp ^ 4) * 16;
     const int64_t first = i0 + cw * 64 + warp;  // this warp's first row
     const int rows = static_cast<int>(first >= p.L ? 0 : (p.L - first + 3) / 4);  // rows w + 4 k below L
     const int64_t key = j0 + lane * 4;
@@ -820,12 +821,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int k0 = 0; k0 < 16; k0 += 4) {
         uint2 w[4];
 #pragma unroll
-        for (int k = 0; k < 4; ++k) w[k] = lds64(from[k & 1] + (k0 + k) * 4 * 64 * 2);  // 4 rows a step
+        for (int k = 0; k < 4; ++k) w[k] = lds64((k & 1 ? from_odd : from_even) + (k0 + k) * 4 * 64 * 2);  // 4 rows a step
 #pragma unroll
         for (int k = 0; k < 4; ++k) put(w[k]);
       }
     } else {
-      for (int k = 0; k < rows; ++k) put(lds64(from[k & 1] + k * 4 * 64 * 2));
+      for (int k = 0; k < rows; ++k) put(lds64((k & 1 ? from_odd : from_even) + k * 4 * 64 * 2));
     }
   };
   auto p_tile_copy_out = [&](int p_buf, int64_t j0) {
