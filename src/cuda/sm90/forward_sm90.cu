@@ -308,8 +308,8 @@ __global__ void __launch_bounds__(128) build_mask_plan(const DevProblem p, uint3
 // instead: each row's entropy −Σ P log P = log l + Σ_j P_j (m − x_j) (every term ≥ 0, no
 // cancellation; m the row's max logit, l its sum of exp(x − m)) and the warpgroup's column sums.
 //
-// P_COPY: P's rows are not 16-byte aligned (S % 8 != 0) and its staged tiles leave by the
-// warpgroup's own stores instead of TMA. Kernels of their own: with the copy's code in the TMA
+// P_COPY: TMA cannot address P (mostly: its rows are not 16-byte aligned, S % 8 != 0) and its
+// staged tiles leave by the warpgroup's own stores instead. Kernels of their own: with the copy's code in the TMA
 // kernels (never run there) those were 3-7 % slower at their register limit (run s30-v115).
 template <typename T, int D, MaskKind MASK, bool STATS, bool P_COPY = false>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -753,10 +753,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
   // P through shared memory, in three steps both pass-2 loops take: the tile's buffer
   // free (its TMA store kPBuffers tiles ago has read it: all but the kPBuffers - 1 most recent bulk
-  // groups, one a tile, have); P = u / l into it by stmatrix, 16 rows x 16 keys (four 8 x 8
-  // matrices) an instruction at the addresses p_addr precomputed, each u pair also handed to
-  // `keep` (n2, nb, r, u0, u1) for the products; the tile to global memory (TMA clips it at L and
-  // S) while the products run.
+  // groups, one a tile, have; P_COPY: the warpgroup's own copy of it is done, which the barrier
+  // ensures); P = u / l into it by stmatrix, 16 rows x 16 keys (four 8 x 8 matrices) an
+  // instruction at the addresses p_addr precomputed, each u pair also handed to `keep` (n2, nb,
+  // r, u0, u1) for the products; the tile to global memory while the products run (TMA clips it
+  // at L and S; the copy checks both).
   auto p_buffer_free = [&] {
     if constexpr (!P_COPY) {
       if (p_leader) bulk_wait_read<C::kPBuffers - 1>();
@@ -781,10 +782,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       stmatrix_x4(p_addr[n2 % 4] + (p_buf * (kBN / 64) + n2 / 4) * 64 * 64 * 2, pr[0], pr[1], pr[2], pr[3]);
     }
   };
-  // Rows of P that TMA cannot address (not 16-byte aligned: S % 8 != 0, as for most prompt
-  // lengths) leave the staged tile by the warpgroup's stores of W bytes, each warp instruction
-  // writing 32 W contiguous bytes of one row, where stores straight from the registers' fragments
-  // wrote 16 bytes in each of 8 rows (a third slower on prefill1k_d64, run s26-v95). The copy
+  // Rows of P that TMA cannot address (mostly rows not 16-byte aligned: S % 8 != 0, as for most
+  // prompt lengths) leave the staged tile by the warpgroup's own stores, each warp instruction
+  // (or pair of them, with 4-byte stores) covering 256 contiguous bytes of one row, where stores
+  // straight from the registers' fragments wrote 16 bytes in each of 8 rows (a third slower on
+  // prefill1k_d64, run s26-v95). The copy
   // runs after the warpgroup has issued its next products (p_tile_out only waits for the tile to
   // be staged), so that it overlaps them; the tile's buffer is free again once the warpgroup has
   // passed its next p_buffer_free.
@@ -999,8 +1001,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     }
-    // This key tile's P buffer; its last TMA store (kPBuffers tiles ago) has read it before it is
-    // rewritten: all but the kPBuffers - 1 most recent bulk groups (one a tile) have.
+    // This key tile's P buffer; its last store (kPBuffers tiles ago: TMA, or the warpgroup's copy)
+    // has read it before it is rewritten (p_buffer_free).
     const int p_buf = nt % C::kPBuffers;
     if constexpr (!STATS) p_buffer_free();
     uint32_t u_frag[kBN / 16][4];
@@ -1247,6 +1249,7 @@ bool forward_for(const DevProblem& p, uint32_t* plan, cudaStream_t stream) {
   a.p_vec4 = rows_vectorizable(p.probs, p.lead_ndim, p.S, 2, 4);
   a.mask_vec16 = p.mask_is_bool && rows_vectorizable(p.mask, p.lead_ndim, p.S, 1, 16);
   a.p_tma = make_map(&pm, p, p.probs, p.L, p.S, 64, a.p);
+  if (!a.p_tma) std::memset(&pm, 0, sizeof(pm));  // the copy kernels take the map unused
   const PlanShape ps = plan_shape(p);
   if (mask == MaskKind::Same || mask == MaskKind::Float32) {
     // A float mask's kernel reads the plan from its first tile on: decline before anything is
