@@ -309,8 +309,9 @@ __global__ void __launch_bounds__(128) build_mask_plan(const DevProblem p, uint3
 // cancellation; m the row's max logit, l its sum of exp(x − m)) and the warpgroup's column sums.
 //
 // P_COPY: TMA cannot address P (mostly: its rows are not 16-byte aligned, S % 8 != 0) and its
-// staged tiles leave by the warpgroup's own stores instead. Kernels of their own: with the copy's code in the TMA
-// kernels (never run there) those were 3-7 % slower at their register limit (run s30-v115).
+// staged tiles leave by the warpgroup's own stores instead. Kernels of their own: with the copy's
+// code in the TMA kernels (never run there) those were 3-7 % slower at their register limit (run
+// s30-v115).
 template <typename T, int D, MaskKind MASK, bool STATS, bool P_COPY = false>
 __global__ void __launch_bounds__(kThreads, 1)
     forward_sm90(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
@@ -786,10 +787,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   // prompt lengths) leave the staged tile by the warpgroup's own stores, each warp instruction
   // (or pair of them, with 4-byte stores) covering 256 contiguous bytes of one row, where stores
   // straight from the registers' fragments wrote 16 bytes in each of 8 rows (a third slower on
-  // prefill1k_d64, run s26-v95). The copy
-  // runs after the warpgroup has issued its next products (p_tile_out only waits for the tile to
-  // be staged), so that it overlaps them; the tile's buffer is free again once the warpgroup has
-  // passed its next p_buffer_free.
+  // prefill1k_d64, run s26-v95). The copy runs after the warpgroup has issued its next products
+  // (p_tile_out only waits for the tile to be staged), so that it overlaps them; the tile's buffer
+  // is free again once the warpgroup has passed its next p_buffer_free.
+  //
   // Lane l takes keys 4 l .. 4 l + 3 (8 bytes, in 64-key block l / 16, chunk (l % 16) / 2 of the
   // swizzle); warp w rows w + 4 k, k < 16, whose swizzle row (w + 4 k) % 8 is w or w + 4 in turn,
   // so the shared-memory addresses are two values plus constants and the global address steps
