@@ -46,11 +46,18 @@ def median_ms(fn, reps=30):
     return sorted(times)[len(times) // 2]
 
 
-def one(name, dtype):
-    """Three forward calls of one shape (unmasked), for Nsight Compute's --launch-skip 2."""
-    B, H, Hkv, L, S, E, causal = SHAPES[name]
+def qkv(name, dtype):
+    """Contiguous random q, k, v of a shape of SHAPES."""
+    B, H, Hkv, L, S, E, _ = SHAPES[name]
     q = torch.randn(B, H, L, E, device="cuda", dtype=dtype)
     k, v = (torch.randn(B, Hkv, S, E, device="cuda", dtype=dtype) for _ in range(2))
+    return q, k, v
+
+
+def one(name, dtype):
+    """Three forward calls of one shape (unmasked), for Nsight Compute's --launch-skip 2."""
+    _, H, Hkv, _, _, _, causal = SHAPES[name]
+    q, k, v = qkv(name, dtype)
     for _ in range(3):
         sdpa_math.attention(q, k, v, None, 0.0, causal, enable_gqa=H != Hkv)
     torch.cuda.synchronize()
@@ -62,8 +69,7 @@ def main():
         return
     dtype = getattr(torch, sys.argv[1]) if len(sys.argv) > 1 and not sys.argv[1].startswith("-") else torch.float16
     for name, (B, H, Hkv, L, S, E, causal) in SHAPES.items():
-        q = torch.randn(B, H, L, E, device="cuda", dtype=dtype)
-        k, v = (torch.randn(B, Hkv, S, E, device="cuda", dtype=dtype) for _ in range(2))
+        q, k, v = qkv(name, dtype)
         gqa = H != Hkv
         variants = {"": (q, k, v, None)}
         if name == "prefill1k_d128":

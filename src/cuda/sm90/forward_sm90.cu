@@ -326,7 +326,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   // longer) and the masked kernels (with the mask's pairs live as well they spill: fp32 mask,
   // head 128, 940 bytes; with the pairs loaded a tile ahead, session 28, bool 156 and fp16 64).
   constexpr bool kOverlap = !STATS && !kMasked && D == 128;
-  static_assert(!kOverlap || C::kPBuffers == 2, "kOverlap copies tile n - 1's P out while tile n's is staged");
   // Logits in natural units only where a mask value can be near fp32's lowest (an fp32 or bf16
   // mask): a row held at finfo.min would overflow fp32 in base 2. A bool mask selects -inf,
   // which base 2 takes as is, and an fp16 mask's lowest (-65504) is 94500 in base 2: those are in
@@ -938,8 +937,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       issue_scores(s, sK + (kt % C::kKStages) * kBN * D);
       issue_pv(nt);
       turn_end();
-      // Tile nt - 1's P under both products; its buffer ((nt - 1) % 2) is written again by tile
-      // nt + 1, after that tile's p_buffer_free.
+      // Tile nt - 1's P under both products; every thread has copied it before this iteration's
+      // p_buffer_free, so no later tile's stmatrix can overwrite it first (any kPBuffers).
       if constexpr (P_COPY) p_tile_copy_out((nt - 1) % C::kPBuffers, static_cast<int64_t>(nt - 1) * kBN);
       wgmma_wait<1>();  // S of this tile; u V of the last may still run
       fence_regs(s);
