@@ -36,6 +36,9 @@ SHAPES = [  # B, Hq, Hkv, L, S, E, Ev
     # P's rows not 16-byte aligned (copied out by the warpgroup, not TMA) at head 64 too
     (2, 3, 3, 130, 204, 64, 64),
     (1, 2, 2, 70, 250, 64, 64),
+    # odd S: P's rows 2-byte aligned, copied out in 2-byte stores
+    (2, 2, 1, 130, 201, 64, 64),
+    (1, 2, 2, 257, 1101, 128, 128),
 ]
 
 

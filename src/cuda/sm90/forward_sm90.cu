@@ -77,9 +77,10 @@ struct Tiles {
 struct Args {
   MapCoords q, k, v, p;
   bool p_tma;   // P's tiles leave shared memory by TMA stores (rows 16-byte aligned), else by the
-                // warpgroup's own coalesced stores, 8 bytes a thread (p_vec4) or 4
+                // warpgroup's own coalesced stores, 8 bytes a thread (p_vec4), 4 (p_vec2) or 2
   bool p_vec8;  // P's rows take 16-byte stores (the causal zeros)
   bool p_vec4;  // P's rows take 8-byte stores
+  bool p_vec2;  // P's rows take 4-byte stores (S even); else 2-byte ones (odd S)
   bool mask_vec16 = false;  // a bool mask's rows take 16-byte loads (the scan for hidden key tiles)
   bool fold;    // a positive scale (in fp32): clean tiles in base-2 units fold the scale into max
                 // and exponent (decided here: a double compare in the kernel waits on the
@@ -280,7 +281,7 @@ __global__ void __launch_bounds__(128) build_mask_plan(const DevProblem p, uint3
     // Rows of the group: one for a mask broadcast over rows (not groups == 1: L <= 16 has one
     // group of rows of its own, which the first form read as row 0 alone: review).
     const int rows = p.mask.row == 0 ? 1 : static_cast<int>(p.L - group * 16 < 16 ? p.L - group * 16 : 16);
-    const int pairs = static_cast<int>((p.S - j0 < kBN ? p.S - j0 : kBN) / 2);  // S is even (forward_applies)
+    const int pairs = static_cast<int>((p.S - j0 < kBN ? p.S - j0 : kBN) / 2);  // S is even (a mask's rows are pair-aligned: inputs_apply)
     typename Mask::Raw raw[32];
 #pragma unroll
     for (int i = 0; i < 32; ++i) {  // pair lane + 32 (i % 2) of row i / 2
@@ -401,7 +402,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (p.mask.row == 0) {
       while (n_tiles > 0) {
         const int64_t j0 = static_cast<int64_t>(n_tiles - 1) * kBN;
-        const int pairs = static_cast<int>((j_end - j0 + 1) / 2);  // S is even (forward_applies)
+        const int pairs = static_cast<int>((j_end - j0 + 1) / 2);  // S is even (a mask's rows are pair-aligned: inputs_apply)
         bool seen = false;
         for (int c = threadIdx.x; c < pairs; c += blockDim.x)
           seen |= *reinterpret_cast<const uint16_t*>(m0 + j0 + 2 * c) != 0;
@@ -797,7 +798,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // first form, through generic pointers, compiled to generic loads each waited for before its
   // store (~30 instructions a store, run s30-v114).
   auto p_tile_copy = [&](int p_buf, int64_t j0, auto width) {
-    constexpr int kW = decltype(width)::value;  // store width: 8 (rows 8-byte aligned) or 4 bytes
+    constexpr int kW = decltype(width)::value;  // store width: 8 (rows 8-byte aligned), 4 (S even) or 2
     const int chunk = (lane % 16) / 2;
     const uint32_t block = smem_u32(p_tile + (p_buf * (kBN / 64) + lane / 16) * 64 * 64 + warp * 64 + (lane % 2) * 4);
     // (two scalars, not an array: indexed at run time below, an array went to the stack)
@@ -806,15 +807,21 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int rows = static_cast<int>(first >= p.L ? 0 : (p.L - first + 3) / 4);  // rows w + 4 k below L
     const int64_t key = j0 + lane * 4;
     if (key >= p.S) return;
-    const bool whole = key + 4 <= p.S;  // always with 8-byte stores (S % 4 == 0); else S % 2 == 0
+    const int in = static_cast<int>(p.S - key < 4 ? p.S - key : 4);  // keys of the piece below S: 4 with 8-byte stores
     char* to = reinterpret_cast<char*>(P + first * p.probs.row + key);
     const int64_t step = 4 * p.probs.row * static_cast<int64_t>(sizeof(T));
     auto put = [&](uint2 w) {
       if constexpr (kW == 8) {
         *reinterpret_cast<uint2*>(to) = w;
-      } else {
+      } else if constexpr (kW == 4) {  // S even: in is 2 or 4
         reinterpret_cast<uint32_t*>(to)[0] = w.x;
-        if (whole) reinterpret_cast<uint32_t*>(to)[1] = w.y;
+        if (in == 4) reinterpret_cast<uint32_t*>(to)[1] = w.y;
+      } else {  // odd S: rows 2-byte aligned
+        uint16_t* h = reinterpret_cast<uint16_t*>(to);
+        h[0] = static_cast<uint16_t>(w.x);
+        if (in > 1) h[1] = static_cast<uint16_t>(w.x >> 16);
+        if (in > 2) h[2] = static_cast<uint16_t>(w.y);
+        if (in > 3) h[3] = static_cast<uint16_t>(w.y >> 16);
       }
       to += step;
     };
@@ -834,8 +841,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto p_tile_copy_out = [&](int p_buf, int64_t j0) {
     if (a.p_vec4)
       p_tile_copy(p_buf, j0, std::integral_constant<int, 8>{});
-    else
+    else if (a.p_vec2)
       p_tile_copy(p_buf, j0, std::integral_constant<int, 4>{});
+    else
+      p_tile_copy(p_buf, j0, std::integral_constant<int, 2>{});
   };
   auto p_tile_out = [&](int p_buf, int64_t j0) {
     FWD_STAMP(trace::kP2PStaged);
@@ -1024,7 +1033,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           const float u0 = exp_from<kNatural>(s[4 * n + 2 * r], mul, m[r]);
           const float u1 = exp_from<kNatural>(s[4 * n + 2 * r + 1], mul, m[r]);
           u_frag[n / 2][(n & 1) * 2 + r] = pack2<T>(u0, u1);
-          const int jj = n * 8 + 2 * t;  // S is even (forward_applies): pairs never straddle the end
+          const int jj = n * 8 + 2 * t;  // the window's rows are pair-aligned (stats_conditions): pairs never straddle S
           if ((STATS ? p_row[r] != nullptr : row_ok[r]) && (clean || jj < keys))
             *reinterpret_cast<uint32_t*>(p_row[r] + j0 + jj) = pack2<T>(u0 * inv_l[r], u1 * inv_l[r]);
           if constexpr (STATS) {
@@ -1254,6 +1263,7 @@ bool forward_for(const DevProblem& p, uint32_t* plan, cudaStream_t stream) {
   if (!common_args(p, q, k, v, a, mask)) return false;
   a.p_vec8 = rows_vectorizable(p.probs, p.lead_ndim, p.S, 2, 8);
   a.p_vec4 = rows_vectorizable(p.probs, p.lead_ndim, p.S, 2, 4);
+  a.p_vec2 = rows_vectorizable(p.probs, p.lead_ndim, p.S, 2, 2);
   a.mask_vec16 = p.mask_is_bool && rows_vectorizable(p.mask, p.lead_ndim, p.S, 1, 16);
   a.p_tma = make_map(&pm, p, p.probs, p.L, p.S, 64, a.p);
   if (!a.p_tma) std::memset(&pm, 0, sizeof(pm));  // the copy kernels take the map unused
@@ -1296,6 +1306,7 @@ bool stats_for(const DevProblem& p, const StatsTargets& t, float* workspace, cud
   a.p_tma = false;
   a.p_vec8 = false;
   a.p_vec4 = false;
+  a.p_vec2 = false;
   std::memset(&unused, 0, sizeof(unused));
   StatsArgs st;
   st.ent = t.entropy;
@@ -1345,8 +1356,9 @@ bool inputs_apply(const DevProblem& p) {
 }  // namespace
 
 bool forward_applies(const DevProblem& p) {
-  // P in the inputs' dtype, pair stores.
-  return inputs_apply(p) && p.probs.dtype == p.q.dtype && rows_vectorizable(p.probs, p.lead_ndim, p.S, 2, 2);
+  // P in the inputs' dtype, unit column stride (rows of any length: an odd S takes the copy
+  // kernels' 2-byte stores).
+  return inputs_apply(p) && p.probs.dtype == p.q.dtype && rows_vectorizable(p.probs, p.lead_ndim, p.S, 2, 1);
 }
 
 int64_t forward_workspace_words(const DevProblem& p) { return plan_shape(p).total_words(); }
