@@ -274,7 +274,7 @@ def test_sm90_nan_score_gives_nan_row_like_the_math_op(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=ids)
-@pytest.mark.parametrize("S", [300, 384], ids=["pairs", "16-byte"])  # the tail's two store paths
+@pytest.mark.parametrize("S", [300, 301, 384], ids=["pairs", "odd", "16-byte"])  # the tail's store paths
 def test_sm90_causal_nan_row_is_nan_right_of_its_tile_too(dtype, S):
     """The math op's causal softmax of a NaN row is NaN at every key, the hidden ones too (contract:
     prob_of_hidden_key). Row 5 lies in the first 128-row tile, whose CTA stops at key 128; the

@@ -173,9 +173,10 @@ CUDA_PATHS = {
     # at a time.
     "mma_sync_fp16_e256": (torch.float16, 6, 72, 256, "contig", "forward_tc"),
     "mma_sync_bf16_e256": (torch.bfloat16, 6, 72, 256, "contig", "forward_tc"),
-    # Odd S: P's rows take no pair stores, which the Hopper kernel declines; the per-element
-    # mma.sync kernel, its causal zeros one at a time.
-    "mma_sync_fp16_e64_odd_s": (torch.float16, 6, 71, 64, "contig", "forward_tc"),
+    # Odd S: P's rows take no pair stores; the per-element mma.sync kernel, its causal zeros one
+    # at a time. Head size 60 (not a multiple of 8), which the Hopper kernel declines: it takes
+    # odd S itself (test_cuda_sm90.py).
+    "mma_sync_fp16_e60_odd_s": (torch.float16, 6, 71, 60, "contig", "forward_tc"),
     "cublas_fp32": (torch.float32, 6, 72, 64, "contig", "softmax_rows"),
     # Columns not unit-stride: cuBLAS declines.
     "generic_fp32_transposed": (torch.float32, 6, 72, 64, "transposed", "forward_rows"),
