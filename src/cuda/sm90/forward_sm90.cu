@@ -982,11 +982,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     scores(s, stage);
     if (lane == 0) mbar_arrive(&k_empty[stage]);
     const bool clean = tile_is_clean(j0);
-    // A float mask's next pairs are loaded after this tile's P is staged (below), not here: with
-    // them issued here, ptxas put the tile's exponents ahead of the loads and of P's barrier and
-    // the planned head-128 kernels ran 5-7 % slower (run s30-v117; session 30 in bench/NOTES.md).
-    const int64_t next = nt + 1 < n_tiles ? j0 + kBN : -1;
-    const bool raw = to_logits(s, j0, clean, fold && clean, kPlanned ? -1 : next);
+    const bool raw = to_logits(s, j0, clean, fold && clean, nt + 1 < n_tiles ? j0 + kBN : -1);
     const float mul = raw ? scale : 1.0f;
     const int keys = static_cast<int>(p.S - j0 < kBN ? p.S - j0 : kBN);  // P columns of this tile
     if constexpr (STATS) {
@@ -1054,9 +1050,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
     }
     if constexpr (!STATS) p_tile_out(p_buf, j0);
-    if constexpr (kPlanned) {
-      if (next >= 0) load_mask(next);
-    }
     FWD_STAMP(trace::kP2Written);
     mbar_wait(&v_full[v_stage], (nt / C::kVStages) & 1);
     FWD_STAMP(trace::kP2VFull);
