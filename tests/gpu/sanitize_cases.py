@@ -111,6 +111,7 @@ def main():
         run(dtype, 1, 3, 1, 100, 1100, 64, 64)                             # sm90: P rows 8-byte aligned (copied out)
         run(dtype, 1, 2, 2, 130, 250, 128, 128, causal=True)               # sm90: P rows 4-byte aligned (copied out)
         run(dtype, 1, 2, 2, 130, 201, 64, 64, causal=True)                 # sm90: odd S, P rows 2-byte aligned
+        run(dtype, 1, 3, 3, 70, 129, 64, 64)                               # sm90: odd S, a last tile of one key
         run(dtype, 1, 2, 2, 65, 65, 128, 128, causal=True)
         run(dtype, 2, 4, 2, 33, 47, 96, 96, mask="float")
         run(dtype, 1, 2, 2, 17, 90, 256, 256, mask="bool", dropout=0.2)
