@@ -22,7 +22,7 @@ SHAPES = {  # B, Hq, Hkv, L, S, E, causal
     # P's rows 8- and 4-byte aligned (S % 8 != 0): no TMA store, the warpgroup copies P out
     "prefill1k_d128_s1020": (4, 16, 16, 1024, 1020, 128, False),
     "prefill1k_d64_s1022": (4, 16, 16, 1024, 1022, 64, False),
-    # odd S: P's rows 2-byte aligned (2-byte stores from the copy kernels)
+    # odd S: P's rows 2-byte aligned (pair and 2-byte stores from the copy kernels)
     "prefill1k_d128_s1023": (4, 16, 16, 1024, 1023, 128, False),
     "long4k_d128_causal": (1, 32, 32, 4096, 4096, 128, True),
     "decode_s2k_d128": (32, 32, 32, 1, 2048, 128, False),

@@ -36,8 +36,8 @@ SHAPES = [  # B, Hq, Hkv, L, S, E, Ev
     # P's rows not 16-byte aligned (copied out by the warpgroup, not TMA) at head 64 too
     (2, 3, 3, 130, 204, 64, 64),
     (1, 2, 2, 70, 250, 64, 64),
-    # odd S: P's rows 2-byte aligned; a warp's rows start 0, 2, 4 or 6 bytes past 8-byte
-    # alignment (the copy's shifts 0-3), heads alternate too
+    # odd S: P's rows 2-byte aligned; a warp's rows start 4-byte aligned or 2 bytes past (the
+    # copy's two forms), from head to head too
     (2, 2, 1, 130, 201, 64, 64),
     (1, 2, 2, 257, 1101, 128, 128),
     # last key tiles of 1 and 2 keys: fewer than the copy's shift

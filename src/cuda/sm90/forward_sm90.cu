@@ -77,10 +77,10 @@ struct Tiles {
 struct Args {
   MapCoords q, k, v, p;
   bool p_tma;   // P's tiles leave shared memory by TMA stores (rows 16-byte aligned), else by the
-                // warpgroup's own coalesced stores, 8 bytes a thread (p_vec4), 4 (p_vec2) or 2
+                // warpgroup's own coalesced stores, 8 bytes a thread (p_vec4), 4 (p_vec2) or 4 and 2
   bool p_vec8;  // P's rows take 16-byte stores (the causal zeros)
   bool p_vec4;  // P's rows take 8-byte stores
-  bool p_vec2;  // P's rows take 4-byte stores (S even); else 2-byte ones (odd S)
+  bool p_vec2;  // P's rows take 4-byte stores (S even); else (odd S) pairs and 2-byte stores
   bool mask_vec16 = false;  // a bool mask's rows take 16-byte loads (the scan for hidden key tiles)
   bool fold;    // a positive scale (in fp32): clean tiles in base-2 units fold the scale into max
                 // and exponent (decided here: a double compare in the kernel waits on the
@@ -798,7 +798,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // first form, through generic pointers, compiled to generic loads each waited for before its
   // store (~30 instructions a store, run s30-v114).
   auto p_tile_copy = [&](int p_buf, int64_t j0, auto width) {
-    constexpr int kW = decltype(width)::value;  // store width: 8 (rows 8-byte aligned), 4 (S even) or 2
+    constexpr int kW = decltype(width)::value;  // store width: 8 (rows 8-byte aligned), 4 (S even) or 2 (odd S: see below)
     const int chunk = (lane % 16) / 2;
     const uint32_t block = smem_u32(p_tile + (p_buf * (kBN / 64) + lane / 16) * 64 * 64 + warp * 64 + (lane % 2) * 4);
     // (two scalars, not an array: indexed at run time below, an array went to the stack)
@@ -1361,7 +1361,7 @@ bool inputs_apply(const DevProblem& p) {
 
 bool forward_applies(const DevProblem& p) {
   // P in the inputs' dtype, unit column stride (rows of any length: an odd S takes the copy
-  // kernels' 2-byte stores).
+  // kernels' pair and 2-byte stores).
   return inputs_apply(p) && p.probs.dtype == p.q.dtype && rows_vectorizable(p.probs, p.lead_ndim, p.S, 2, 1);
 }
 
