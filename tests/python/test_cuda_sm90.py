@@ -312,6 +312,30 @@ def test_sm90_errors_no_larger_than_the_math_ops(dtype):
     assert err(out, ref_out) <= 1.05 * err(flash_out, ref_out)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+def test_sm90_float_mask_errors_no_larger_than_the_math_ops(dtype):
+    """The same target under a (B, 1, L, S) float mask of the inputs' dtype whose rows mix tiles
+    left raw (all zero: bf16's take the base-2 exponent, exponent_of) with tiles it changes (small
+    values in keys 256-383, the dtype's min on the last 100 keys), and one row held at the min
+    everywhere (P uniform, as the math op's)."""
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    q = torch.randn(2, 8, 512, 128, generator=gen, device="cuda").to(dtype)
+    k, v = (torch.randn(2, 8, 1024, 128, generator=gen, device="cuda").to(dtype) for _ in range(2))
+    mask = torch.zeros(2, 1, 512, 1024, device="cuda", dtype=dtype)
+    mask[..., 256:384] = torch.randn(2, 1, 512, 128, generator=gen, device="cuda").to(dtype)
+    mask[..., 924:] = torch.finfo(dtype).min
+    mask[:, :, 5] = torch.finfo(dtype).min
+    (out, probs), names = cuda_kernels(lambda: sdpa_math.attention(q, k, v, mask))
+    assert any("forward_sm90" in n for n in names), names
+    _, nat_probs = aten_math(q, k, v, mask)
+    ref_out, ref_p, _ = reference(q, k, v, mask, False, 128 ** -0.5, False)
+    err = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
+    assert err(probs, ref_p) <= 1.05 * err(nat_probs, ref_p)
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(probs[:, :, 5].double(), ref_p[:, :, 5], rtol=rtol, atol=atol)
+    torch.testing.assert_close(out.double(), ref_out, rtol=rtol * 5, atol=atol * 20)
+
+
 def test_dropout_and_head_size_256_take_the_mma_sync_kernel():
     """What the Hopper forward declines runs elsewhere (and is checked there, test_cuda.py)."""
     gen = torch.Generator(device="cuda").manual_seed(9)

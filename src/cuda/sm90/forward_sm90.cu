@@ -136,13 +136,37 @@ SDPA_MATH_D float exp_from(float x, float mul, float m) {
   if constexpr (NATURAL) return fast_exp2((x - m) * 1.4426950408889634f);
   else return fast_exp2(fmaf(x, mul, -m));
 }
-// Σ exp_from over the same elements as row_max, in four independent partial sums.
-template <bool NATURAL, int N>
-SDPA_MATH_D float row_sum_exp(const float (&s)[N], int r, float mul, float m) {
+// The multiply-add of a row's exponents over one tile, 2^(x·mul − off). Base-2 kernels: mul and
+// m as exp_from. Natural kernels: a tile the mask changes has had m subtracted first
+// (shift_row), then 2^(x·log2 e), as exp_from; a tile of raw scores (clean, its pairs neutral,
+// the scale folded) takes the base-2 kernels' one multiply-add, 2^(s·scale·log2 e − m·log2 e),
+// where logits scaled it first and the exponent took a subtract and a multiply. Safe from the
+// overflow above: the row's max is at least one of the tile's own raw scores times the scale, so
+// m·log2 e is no larger in magnitude than a base-2 kernel's max.
+struct Exponent {
+  float mul, off;
+};
+template <bool NATURAL>
+SDPA_MATH_D Exponent exponent_of(bool raw, float mul, float m, float scale_log2) {
+  if constexpr (!NATURAL) return {mul, m};
+  else return raw ? Exponent{scale_log2, m * 1.4426950408889634f} : Exponent{1.4426950408889634f, 0.0f};
+}
+// x − m in place over the elements of accumulator row r (a natural kernel's tile the mask changes).
+template <int N>
+SDPA_MATH_D void shift_row(float (&s)[N], int r, float m) {
+#pragma unroll
+  for (int n = 0; n < N / 4; ++n) {
+    s[4 * n + 2 * r] -= m;
+    s[4 * n + 2 * r + 1] -= m;
+  }
+}
+// Σ 2^(x·mul − off) over the same elements as row_max, in four independent partial sums.
+template <int N>
+SDPA_MATH_D float row_sum_exp(const float (&s)[N], int r, const Exponent& e) {
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
   for (int n = 0; n < N / 4; ++n)
-    acc[n % 4] += exp_from<NATURAL>(s[4 * n + 2 * r], mul, m) + exp_from<NATURAL>(s[4 * n + 2 * r + 1], mul, m);
+    acc[n % 4] += exp_from<false>(s[4 * n + 2 * r], e.mul, e.off) + exp_from<false>(s[4 * n + 2 * r + 1], e.mul, e.off);
   return (acc[0] + acc[1]) + (acc[2] + acc[3]);
 }
 
@@ -549,12 +573,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   map_coords(a.p, lead, cp);
 
   // A tile needs index checks when it runs past the keys or crosses this warp's causal diagonal.
-  // Clean tiles in base-2 units with a positive scale skip the scaling: the scale folds into the
-  // max (max(s) · scale) and into the exponent's multiply-add. A bool mask selects -inf in place
-  // of the raw score (one select an element, as the add it replaced; the select after a multiply
-  // cost 10 % on masked prefill1k_d128, run s28-v103); a tile an fp16 mask changes is scaled.
+  // Clean tiles with a positive scale skip the scaling: the scale folds into the max (max(s) ·
+  // scale) and into the exponent's multiply-add (natural kernels: exponent_of). A bool mask
+  // selects -inf in place of the raw score (one select an element, as the add it replaced; the
+  // select after a multiply cost 10 % on masked prefill1k_d128, run s28-v103); a tile a float
+  // mask changes is scaled. Natural units fold only in the bf16 mask's forward: the statistics
+  // kernel keeps scaled logits (its pass 2 takes exp_from, not exponent_of), and the fp32 mask's
+  // head-128 forward spilled 124 bytes with the fold against 72.
   auto tile_is_clean = [&](int64_t j0) { return j0 + kBN <= p.S && (!p.causal || j0 + kBN - 1 <= warp_row0); };
-  const bool fold = !kNatural && a.fold;
+  const bool fold = (!kNatural || (MASK == MaskKind::Same && !STATS)) && a.fold;
   // Ping-pong: the two warpgroups take turns to issue their products (named barriers 3 and 4), so
   // one's softmax runs while the other's products occupy the tensor cores instead of both
   // drifting into lockstep on the same tiles. Warpgroup 0 goes first. Turns a CTA takes: pass 1
@@ -708,7 +735,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int r = 0; r < 2; ++r) {
       const float new_max = max_nan(m[r], quad_max_nan(row_max(s, r)) * mul);
       if (new_max == kNegInf) continue;
-      const float add = row_sum_exp<kNatural>(s, r, mul, new_max);
+      if (kNatural && !raw) shift_row(s, r, new_max);
+      const float add = row_sum_exp(s, r, exponent_of<kNatural>(raw, mul, new_max, a.scale_log2));
       l[r] = l[r] * exp_from<kNatural>(m[r], 1.0f, new_max) + add;  // exp(-inf) = 0 on the first tile
       m[r] = new_max;
     }
@@ -766,7 +794,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     named_barrier(p_bar, 128);
     FWD_STAMP(trace::kP2PFree);
   };
-  auto p_to_smem = [&](const float (&s)[kBN / 2], float mul, int p_buf, auto&& keep) {
+  // (natural kernels: s shifted by m first where not raw, see exponent_of)
+  auto p_to_smem = [&](const float (&s)[kBN / 2], bool raw, float mul, int p_buf, auto&& keep) {
+    const Exponent e[2] = {exponent_of<kNatural>(raw, mul, m[0], a.scale_log2),
+                           exponent_of<kNatural>(raw, mul, m[1], a.scale_log2)};
 #pragma unroll
     for (int n2 = 0; n2 < kBN / 16; ++n2) {
       uint32_t pr[4];
@@ -775,8 +806,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const int n = 2 * n2 + nb;
-          const float u0 = exp_from<kNatural>(s[4 * n + 2 * r], mul, m[r]);
-          const float u1 = exp_from<kNatural>(s[4 * n + 2 * r + 1], mul, m[r]);
+          const float u0 = exp_from<false>(s[4 * n + 2 * r], e[r].mul, e[r].off);
+          const float u1 = exp_from<false>(s[4 * n + 2 * r + 1], e[r].mul, e[r].off);
           keep(n2, nb, r, u0, u1);
           pr[nb * 2 + r] = pack2<T>(u0 * inv_l[r], u1 * inv_l[r]);
         }
@@ -894,7 +925,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int p_buf = nt % C::kPBuffers;
       p_buffer_free();
       float (&u)[kBN / 2] = s;  // u replaces s in place, for pack_u after u V of the last tile
-      p_to_smem(s, mul, p_buf, [&](int n2, int nb, int r, float u0, float u1) {
+      p_to_smem(s, raw, mul, p_buf, [&](int n2, int nb, int r, float u0, float u1) {
         u[4 * (2 * n2 + nb) + 2 * r] = u0;
         u[4 * (2 * n2 + nb) + 2 * r + 1] = u1;
       });
@@ -1029,7 +1060,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     float col[STATS ? kBN / 4 : 1];  // this thread's two rows of P summed: keys 8n + 2t (+1) at 2n (+1)
     if constexpr (!STATS) {
       // A fragment of k-step n2: {row g, keys 2t..} {row g+8, 2t..} {g, 2t+8..} {g+8, 2t+8..}.
-      p_to_smem(s, mul, p_buf, [&](int n2, int nb, int r, float u0, float u1) {
+      if (kNatural && !raw) {
+        shift_row(s, 0, m[0]);
+        shift_row(s, 1, m[1]);
+      }
+      p_to_smem(s, raw, mul, p_buf, [&](int n2, int nb, int r, float u0, float u1) {
         u_frag[n2][nb * 2 + r] = pack2<T>(u0, u1);
       });
     } else {
