@@ -32,6 +32,10 @@ def run(dtype, B, Hq, Hkv, L, S, E, Ev, causal=False, mask=None, dropout=0.0, tr
     m = None
     if mask == "float":
         m = torch.randn(B, 1, L, S, device="cuda", dtype=dtype, generator=gen).requires_grad_(True)
+    elif mask == "float_pad":  # (B, 1, L, S) float, 0 or the dtype's min on the last 100 keys (Hugging Face's padding)
+        m = torch.zeros(B, 1, L, S, device="cuda", dtype=dtype)
+        m[..., S - 100:] = torch.finfo(dtype).min
+        m.requires_grad_(True)
     elif mask == "bool":
         m = torch.rand(L, S, device="cuda", generator=gen) < 0.7
         m[1] = False
@@ -108,6 +112,7 @@ def main():
         run(dtype, 3, 2, 2, 200, 600, 64, 64, mask="keypad")               # sm90: padded key tiles skipped
         run(dtype, 2, 2, 2, 300, 640, 128, 128, mask="causal_pad")         # sm90: a per-row mask's scan
         run(dtype, 1, 2, 2, 40, 4200, 64, 64, mask="float")                # sm90: a mask plan of two words
+        run(dtype, 2, 2, 2, 200, 700, 128, 128, mask="float_pad")          # sm90: neutral float-mask tiles (bf16: base 2)
         run(dtype, 1, 3, 1, 100, 1100, 64, 64)                             # sm90: P rows 8-byte aligned (copied out)
         run(dtype, 1, 2, 2, 130, 250, 128, 128, causal=True)               # sm90: P rows 4-byte aligned (copied out)
         run(dtype, 1, 2, 2, 130, 201, 64, 64, causal=True)                 # sm90: odd S, P rows 2-byte aligned
