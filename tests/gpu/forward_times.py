@@ -3,7 +3,7 @@ line per shape: for comparing kernel versions in one GPU call (run once with SDP
 the mma.sync path). The side-by-side benchmark with the other implementations is sdpa_math.bench.
 
     python3 tests/gpu/forward_times.py [float16|bfloat16]
-    ncu ... python3 tests/gpu/forward_times.py one NAME [dtype]   # three calls of one shape: profile the third
+    ncu ... python3 tests/gpu/forward_times.py one NAME[+VARIANT] [dtype]   # three calls of one row: profile the third
 
 (forward + backward times per kernel: tests/gpu/backward_times.py, tests/gpu/kernel_times.py)
 """
@@ -56,12 +56,33 @@ def qkv(name, dtype):
     return q, k, v
 
 
-def one(name, dtype):
-    """Three forward calls of one shape (unmasked), for Nsight Compute's --launch-skip 2."""
+def variants(name, q, k, v, dtype):
+    """The inputs of a shape's rows: unmasked, and on prefill1k_d128 its masked and transposed
+    variants, by row suffix."""
+    rows = {"": (q, k, v, None)}
+    if name == "prefill1k_d128":
+        B, _, L, _ = q.shape
+        S = k.shape[2]
+        pad = torch.zeros(B, 1, L, S, device="cuda", dtype=dtype)
+        pad[..., S - 100:] = torch.finfo(dtype).min
+        keypad = torch.ones(B, 1, 1, S, device="cuda", dtype=torch.bool)
+        keypad[..., S - 100:] = False
+        # Hugging Face's causal-and-padding mask as one (B, 1, L, S) bool tensor, the last 100 keys padded
+        ar = torch.arange(S, device="cuda")
+        hf = ((ar <= torch.arange(L, device="cuda")[:, None]) & (ar < S - 100)).expand(B, 1, L, S).contiguous()
+        t = lambda x: x.transpose(1, 2).contiguous().transpose(1, 2)  # noqa: E731 (B, L, H, E) storage
+        rows.update({"+fmask": (q, k, v, pad), "+keypad": (q, k, v, keypad), "+hfmask": (q, k, v, hf),
+                     "+blhe": (t(q), t(k), t(v), None)})
+    return rows
+
+
+def one(row, dtype):
+    """Three forward calls of one row (a shape, or shape+variant), for Nsight Compute's --launch-skip 2."""
+    name, _, suffix = row.partition("+")
     _, H, Hkv, _, _, _, causal = SHAPES[name]
-    q, k, v = qkv(name, dtype)
+    q, k, v, m = variants(name, *qkv(name, dtype), dtype)["+" + suffix if suffix else ""]
     for _ in range(3):
-        sdpa_math.attention(q, k, v, None, 0.0, causal, enable_gqa=H != Hkv)
+        sdpa_math.attention(q, k, v, m, 0.0, causal, enable_gqa=H != Hkv)
     torch.cuda.synchronize()
 
 
@@ -71,21 +92,8 @@ def main():
         return
     dtype = getattr(torch, sys.argv[1]) if len(sys.argv) > 1 and not sys.argv[1].startswith("-") else torch.float16
     for name, (B, H, Hkv, L, S, E, causal) in SHAPES.items():
-        q, k, v = qkv(name, dtype)
         gqa = H != Hkv
-        variants = {"": (q, k, v, None)}
-        if name == "prefill1k_d128":
-            pad = torch.zeros(B, 1, L, S, device="cuda", dtype=dtype)
-            pad[..., S - 100:] = torch.finfo(dtype).min
-            keypad = torch.ones(B, 1, 1, S, device="cuda", dtype=torch.bool)
-            keypad[..., S - 100:] = False
-            # Hugging Face's causal-and-padding mask as one (B, 1, L, S) bool tensor, the last 100 keys padded
-            ar = torch.arange(S, device="cuda")
-            hf = ((ar <= torch.arange(L, device="cuda")[:, None]) & (ar < S - 100)).expand(B, 1, L, S).contiguous()
-            t = lambda x: x.transpose(1, 2).contiguous().transpose(1, 2)  # noqa: E731 (B, L, H, E) storage
-            variants.update({"+fmask": (q, k, v, pad), "+keypad": (q, k, v, keypad), "+hfmask": (q, k, v, hf),
-                             "+blhe": (t(q), t(k), t(v), None)})
-        for suffix, (qq, kk, vv, m) in variants.items():
+        for suffix, (qq, kk, vv, m) in variants(name, *qkv(name, dtype), dtype).items():
             ms = median_ms(lambda: sdpa_math.attention(qq, kk, vv, m, 0.0, causal, enable_gqa=gqa))
             p_bytes = B * H * L * S * qq.element_size()
             print(f"{name + suffix:28s} {ms:8.3f} ms   P write alone at 4.2 TB/s: {p_bytes / 4.2e9:.3f} ms", flush=True)
