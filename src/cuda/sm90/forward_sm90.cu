@@ -128,9 +128,8 @@ SDPA_MATH_D float row_max(const float (&s)[N], int r) {
 }
 // exp(logit - m) for a logit x: base-2 logits (unmasked, bool and fp16 masks) take 2^(x·mul − m)
 // in one multiply-add, where mul folds in the scale for raw scores; natural ones (bf16 and fp32
-// masks) take
-// 2^((x − m)·log2 e), the difference first, since x and m near a float mask's finfo.min would
-// overflow fp32 times log2 e.
+// masks, on the tiles the mask changes: see exponent_of) take 2^((x − m)·log2 e), the difference
+// first, since x and m near a float mask's finfo.min would overflow fp32 times log2 e.
 template <bool NATURAL>
 SDPA_MATH_D float exp_from(float x, float mul, float m) {
   if constexpr (NATURAL) return fast_exp2((x - m) * 1.4426950408889634f);
@@ -141,8 +140,10 @@ SDPA_MATH_D float exp_from(float x, float mul, float m) {
 // (shift_row), then 2^(x·log2 e), as exp_from; a tile of raw scores (clean, its pairs neutral,
 // the scale folded) takes the base-2 kernels' one multiply-add, 2^(s·scale·log2 e − m·log2 e),
 // where logits scaled it first and the exponent took a subtract and a multiply. Safe from the
-// overflow above: the row's max is at least one of the tile's own raw scores times the scale, so
-// m·log2 e is no larger in magnitude than a base-2 kernel's max.
+// overflow above: the row's max is at least the tile's largest scaled score, so m·log2 e cannot
+// run to −inf. Towards +inf (a mask value near fp32's largest somewhere else in the row) off is
+// +inf and the tile's exponents 0, their value's limit; scores themselves past FLT_MAX / log2 e
+// are then limited as in the unmasked kernels.
 struct Exponent {
   float mul, off;
 };
@@ -327,7 +328,8 @@ __global__ void __launch_bounds__(128) build_mask_plan(const DevProblem p, uint3
 // the logit or selects -inf, in the same units, and an fp16 mask adds its value times log2 e.
 // With a bf16 or fp32 mask: natural units (x = s * scale + mask), so a row held at the mask's
 // finfo.min still has finite logits (their base-2 form would overflow fp32) and gives the math
-// op's uniform row; exponents are taken of differences, (x - m) * log2 e.
+// op's uniform row; exponents are taken of differences, (x - m) * log2 e, except on a bf16
+// mask's tiles that change no logit (exponent_of).
 //
 // STATS: the statistics kernel. P is not written (except the rows of st.win); pass 2 reduces it
 // instead: each row's entropy −Σ P log P = log l + Σ_j P_j (m − x_j) (every term ≥ 0, no
@@ -357,6 +359,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // base-2 units, so their tiles whose pairs are neutral fold the scale as unmasked ones do (an
   // exponent one multiply-add, not a subtract and a multiply).
   constexpr bool kNatural = (MASK == MaskKind::Same && !std::is_same_v<T, __half>) || MASK == MaskKind::Float32;
+  static_assert(!(kNatural && kOverlap), "the overlapped pass 2 does not shift a natural kernel's rows (shift_row)");
   // A float mask's forward reads the mask plan (build_mask_plan, always built for it): the warps
   // load no pairs of a tile the plan marks neutral and take no vote. Bool masks (one byte a key:
   // their loads cost little) keep the warps' vote, and so does the statistics form. With both
