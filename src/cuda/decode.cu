@@ -342,13 +342,29 @@ __global__ void __launch_bounds__(kThreads, R == 1 ? 5 : 3) decode_partial(DevPr
 
 // Per row (and chunk of kFinalizeKeys keys): the row's max and sum over its blocks; P of the
 // chunk's keys from the kept logits; on the first chunk also the log-sum-exp and O.
+// The kernel is a chain of dependent L2 reads, so each step issues all of its loads before it
+// uses any: a thread's logits of the chunk at once, and O's per-block shares split over groups of
+// threads, kFinalizeBatch loads each in flight (bench/NOTES.md, session 33: a loop of one load
+// at a time took 0.069 ms of GQA decode's 0.24 with 128 blocks a row).
+constexpr int kFinalizeBatch = 4;
 __global__ void __launch_bounds__(kFinalizeThreads) decode_finalize(DevProblem p, DecodeWorkspace w) {
+  constexpr int kPerThread = static_cast<int>(kFinalizeKeys / kFinalizeThreads);
   __shared__ float red[kFinalizeThreads / 32][2];
+  __shared__ float o_part[kFinalizeThreads];
   const int64_t row = blockIdx.x, local = row / p.L, lead = w.lead0 + local;
   const int r = static_cast<int>(row % p.L);
   const float* st = w.stats + row * w.blocks * 2;
+  const float* s = w.scores + row * p.S;
+  // This thread's logits of the chunk, loaded before the row's max and sum are known.
+  const int64_t j0 = blockIdx.y * kFinalizeKeys + threadIdx.x, j_end = min(p.S, (blockIdx.y + 1) * kFinalizeKeys);
+  float sv[kPerThread];
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int64_t j = j0 + i * kFinalizeThreads;
+    sv[i] = j < j_end ? __ldg(s + j) : 0.0f;
+  }
   float m = neg_inf<float>(), l = 0.0f;
-  for (int64_t b = threadIdx.x; b < w.blocks; b += kFinalizeThreads) lse_combine<float>(m, l, st[2 * b], st[2 * b + 1]);
+  for (int64_t b = threadIdx.x; b < w.blocks; b += kFinalizeThreads) lse_combine<float>(m, l, __ldg(st + 2 * b), __ldg(st + 2 * b + 1));
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1)
     lse_combine<float>(m, l, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, l, o));
@@ -362,23 +378,43 @@ __global__ void __launch_bounds__(kFinalizeThreads) decode_finalize(DevProblem p
 
   const int64_t d_at = p.dmask.data ? lead_off(p, p.dmask, lead) : 0;
   const int64_t p_at = lead_off(p, p.probs, lead) + r * p.probs.row;
-  const float* s = w.scores + row * p.S;
-  const int64_t j_end = min(p.S, (blockIdx.y + 1) * kFinalizeKeys);
-  for (int64_t j = blockIdx.y * kFinalizeKeys + threadIdx.x; j < j_end; j += kFinalizeThreads) {
-    const float pr = returned_prob<float>(p, prob_from_max_sum<float>(s[j], m, l), keep_of<float>(p, d_at, lead, r, j));
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int64_t j = j0 + i * kFinalizeThreads;
+    if (j >= j_end) break;
+    const float pr = returned_prob<float>(p, prob_from_max_sum<float>(sv[i], m, l), keep_of<float>(p, d_at, lead, r, j));
     store_elem<float>(p.probs.dtype, p.probs.data, p_at + j * p.probs.col, pr);
   }
   if (blockIdx.y != 0) return;
   // Contract §6: lse -inf for a fully masked row, NaN for a NaN one; O zero, resp. NaN.
   if (threadIdx.x == 0)
     store_elem<float>(p.lse.dtype, p.lse.data, lead_off(p, p.lse, lead) + r * p.lse.row, lse_from_max_sum<float>(m, l));
+  // O: groups of `span` threads (span >= Ev, a power of two), group g summing blocks g, g + G, ...
+  int span = kFinalizeThreads;
+  while (span / 2 >= (p.Ev > 0 ? p.Ev : 1)) span /= 2;
+  const int groups = kFinalizeThreads / span, g = threadIdx.x / span, e = threadIdx.x % span;
+  const float* part = w.partial + row * w.blocks * p.Ev + e;
+  float o = 0.0f;
+  if (e < p.Ev) {
+    for (int64_t b0 = g; b0 < w.blocks; b0 += kFinalizeBatch * groups) {
+      float wt[kFinalizeBatch], pv[kFinalizeBatch];
+#pragma unroll
+      for (int u = 0; u < kFinalizeBatch; ++u) {
+        const int64_t b = b0 + u * groups;
+        wt[u] = b < w.blocks ? weight_to(__ldg(st + 2 * b), m) : 0.0f;
+        pv[u] = b < w.blocks ? __ldg(part + b * p.Ev) : 0.0f;
+      }
+#pragma unroll
+      for (int u = 0; u < kFinalizeBatch; ++u) o += wt[u] * pv[u];
+    }
+  }
+  o_part[threadIdx.x] = o;
+  __syncthreads();
+  if (g != 0 || e >= p.Ev) return;
+  for (int x = 1; x < groups; ++x) o += o_part[x * span + e];
   const float f = output_factor<float>(p);
   const int64_t o_at = lead_off(p, p.out, lead) + r * p.out.row;
-  for (int64_t e = threadIdx.x; e < p.Ev; e += kFinalizeThreads) {
-    float o = 0.0f;
-    for (int64_t b = 0; b < w.blocks; ++b) o += weight_to(st[2 * b], m) * w.partial[(row * w.blocks + b) * p.Ev + e];
-    store_elem<float>(p.out.dtype, p.out.data, o_at + e * p.out.col, l == 0.0f ? 0.0f : o / l * f);
-  }
+  store_elem<float>(p.out.dtype, p.out.data, o_at + e * p.out.col, l == 0.0f ? 0.0f : o / l * f);
 }
 
 // The backward for a few query rows (fp16/bf16, after delta = rowsum(A . dA) is known): per

@@ -136,6 +136,24 @@ def test_random_dropout_same_mask_on_cpu_and_cuda(dtype, L, S):
     torch.testing.assert_close(cuda[1].cpu().float(), cpu[1].float(), rtol=rtol, atol=atol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=ids)
+@pytest.mark.parametrize("Ev", [40, 64, 256])
+@pytest.mark.parametrize("mask", ["none", "neginf_rows", "float_pad"])
+def test_decode_rows_over_many_key_blocks(dtype, Ev, mask):
+    """The decode path's last step (decode_finalize) on rows of 4796 keys: 19 key blocks whose
+    shares of O are summed by groups of threads (how many depends on Ev), two chunks of the row's
+    P, a GQA group's two heads in one CTA (L = 2), fully masked rows; against the float64 reference and with
+    every output poisoned first."""
+    case = Case(batch=(2,), hq=4, hkv=2, L=2, S=4796, E=64, Ev=Ev, mask=mask, gqa=True)
+    args, kwargs = build(case, dtype, seed=_seed(case), device="cuda")
+    out, probs = sdpa_math.attention(*args, **kwargs)
+    ref_out, ref_probs = _reference(args, kwargs)
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(probs.cpu().double(), ref_probs, rtol=rtol, atol=atol)
+    scale_v = max(args[2].abs().max().item(), 1.0)
+    torch.testing.assert_close(out.cpu().double(), ref_out, rtol=rtol, atol=atol * scale_v * 10)
+
+
 def test_long_rows_past_2_pow_31_elements_per_batch_index_do_not_wrap():
     """P of (1, 2, 32768, 32768) fp16: the second head's P starts at element 2^31."""
     free, _ = torch.cuda.mem_get_info()
