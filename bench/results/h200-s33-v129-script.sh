@@ -1,32 +1,33 @@
 #!/usr/bin/env bash
-# Prepared in session 32 for session 33, run v129: why the bool-mask forward moves by 4-13 % with
-# changes that leave its code the same but for register names (NOTES, session 32), and where the
-# float mask's changed tile costs. Nsight Compute on carried builds (.carry/pack/v129.txz, outside
-# git: site_nf = main dafd5b4, whose bool-mask kernels are byte-identical to 072cd06's; site_p2 =
-# branch persist2, bool mask +5 % in v125): +keypad fp16 on both, +fmask bf16 on main. Stall
-# samples per reason and per SASS line (source CSV), instruction fetch and L1 figures. Then the
-# three sanitizers with sanitize_cases.py on main's build (its padding float-mask case, added after
-# v128, has not run yet). About 5 minutes.
+# Session 33, run v129: the decode loop's L2 prefetch (branch decode-prefetch) against main, on
+# builds carried from the dev machine (.carry/pack/v129.txz, outside git: site_main = main
+# 2736e7a, site_pf = the branch). Two interleaved rounds of forward_times (every row: the
+# non-decode rows are the control) and kernel_times on the decode shapes (forward and f+b
+# kernels); then the branch's GPU tests (test_cuda, test_fuzz, test_nonfinite); an ncu of the bf16
+# float-mask row on main (its changed tiles have not been profiled). About 6 minutes.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 {
 mkdir -p /tmp/s && tar -xJf .carry/pack/v129.txz -C /tmp/s
-prof() {  # build row dtype tag
-  PYTHONPATH=/tmp/s/$1 timeout 120 ncu --clock-control none --kernel-name regex:forward_sm90 --launch-skip 2 --launch-count 1 \
-    --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis --section InstructionStats \
-    --section SchedulerStats --section SourceCounters -o /tmp/rep-$4 python3 tests/gpu/forward_times.py one "$2" $3 > /tmp/ncu-$4.log 2>&1
-  tail -1 /tmp/ncu-$4.log
-  ncu --import /tmp/rep-$4.ncu-rep > $OUT/ncu-$4.txt 2>&1
-  ncu --import /tmp/rep-$4.ncu-rep --page source --csv --print-source sass 2>/dev/null | gzip -9 > $OUT/ncu-$4-source.csv.gz
-}
-prof site_nf "prefill1k_d128+keypad" float16 keypad-main
-prof site_p2 "prefill1k_d128+keypad" float16 keypad-persist2
-prof site_nf "prefill1k_d128+fmask" bfloat16 fmask-bf16-main
-for tool in memcheck synccheck racecheck; do
-  echo "-- $tool"
-  PYTHONPATH=/tmp/s/site_nf timeout 100 compute-sanitizer --tool $tool --print-limit 10 python3 tests/gpu/sanitize_cases.py > /tmp/san.full 2>&1
-  grep -E "^=+ +(Invalid|Race|Barrier|Error|Warning)" /tmp/san.full | sed -E 's/\+0x[0-9a-f]+//' | sort | uniq -c | cut -c1-200 | head -4
-  tail -2 /tmp/san.full
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+for round in 1 2; do
+  for b in main pf; do
+    echo "== round $round $b forward_times fp16"
+    PYTHONPATH=/tmp/s/site_$b timeout 120 python3 tests/gpu/forward_times.py float16 > $OUT/ft-$b-r$round.txt 2>&1
+    grep -E "decode|prefill1k_d128 |tail100" $OUT/ft-$b-r$round.txt
+    echo "== round $round $b kernel_times"
+    PYTHONPATH=/tmp/s/site_$b timeout 60 python3 tests/gpu/kernel_times.py float16 decode_s2k_d128 decode_s32k_d128_gqa 2>&1 | tee $OUT/kt-$b-r$round.txt
+  done
 done
+PYTHONPATH=/tmp/s/site_pf timeout 60 python3 tests/gpu/kernel_times.py bfloat16 decode_s2k_d128 decode_s32k_d128_gqa 2>&1 | tee $OUT/kt-pf-bf16.txt
+echo "== tests on site_pf"
+PYTHONPATH=/tmp/s/site_pf timeout 200 python3 -m pytest -q -x tests/python/test_cuda.py tests/python/test_fuzz.py tests/python/test_nonfinite.py -k "not cpu" -p no:cacheprovider 2>&1 | tail -5
+echo "== ncu: prefill1k_d128+fmask bf16 on main (the float mask's changed tiles, unprofiled)"
+PYTHONPATH=/tmp/s/site_main timeout 120 ncu --clock-control none --kernel-name regex:forward_sm90 --launch-skip 2 --launch-count 1 \
+  --section SpeedOfLight --section WarpStateStats --section InstructionStats --section SchedulerStats --section SourceCounters \
+  -o /tmp/rep-fmask python3 tests/gpu/forward_times.py one "prefill1k_d128+fmask" bfloat16 > /tmp/ncu-fmask.log 2>&1
+tail -1 /tmp/ncu-fmask.log
+ncu --import /tmp/rep-fmask.ncu-rep > $OUT/ncu-fmask-bf16-main.txt 2>&1
+ncu --import /tmp/rep-fmask.ncu-rep --page source --csv --print-source sass 2>/dev/null | gzip -9 > $OUT/ncu-fmask-bf16-main-source.csv.gz
 ls -la $OUT
 } 2>&1 | tee $OUT/results.txt
