@@ -204,10 +204,11 @@ SDPA_MATH_D void key_logits(const DevProblem& p, const float* q, const RowInfo (
 // sum l of exp(s - m) and its chunks of sum exp(s - m) M V (M: returned_prob's dropout factor; O's
 // own factor comes at the end), rescaled
 // when m grows; the groups, then the warps are merged at the end.
-// CTAs per SM: five for one row; four for up to four rows (a GQA group's heads) without the mask,
-// causal and dropout branches, at 128 registers and no spill (their time is their instruction
-// stream and its latencies: 3 CTAs took 0.167 ms on decode_s32k_d128_gqa, 4 take 0.142,
-// bench/NOTES.md session 33); three for the four-row kernels with those branches, which spill at 128.
+// CTAs per SM: five for one row; four for up to four rows (L > 1, or a GQA group's heads)
+// without the mask, causal and dropout branches, at 128 registers and no spill (their time is
+// their instruction stream and its latencies: 3 CTAs took 0.167 ms on decode_s32k_d128_gqa, 4
+// take 0.142, bench/NOTES.md session 33); three for the four-row kernels with those branches,
+// which spill at 128.
 template <typename T, int DT, int R, bool PLAIN>
 __global__ void __launch_bounds__(kThreads, R == 1 ? 5 : (PLAIN ? 4 : 3)) decode_partial(DevProblem p, DecodeWorkspace w) {
   using Lay = Layout<T, DT>;
