@@ -347,11 +347,14 @@ __global__ void __launch_bounds__(kThreads, R == 1 ? 5 : (PLAIN ? 4 : 3)) decode
 
 // Per row (and chunk of kFinalizeKeys keys): the row's max and sum over its blocks; P of the
 // chunk's keys from the kept logits; on the first chunk also the log-sum-exp and O.
-// The kernel is a chain of dependent L2 reads, so each step issues all of its loads before it
-// uses any: a thread's logits of the chunk at once, and O's per-block shares split over groups of
-// threads, kFinalizeBatch loads each in flight (bench/NOTES.md, session 33: a loop of one load
-// at a time took 0.069 ms of GQA decode's 0.24 with 128 blocks a row).
+// The kernel is a chain of dependent L2 reads, so its steps issue their loads ahead of their
+// use: a thread's logits of the chunk at once, before the row's max and sum; O's per-block shares
+// split over groups of threads, each thread with kFinalizeBatch blocks' loads (statistic and
+// share) in flight (bench/NOTES.md, session 33: one load at a time took 0.068 ms of GQA decode's
+// 0.237, with 128 blocks a row).
 constexpr int kFinalizeBatch = 4;
+static_assert(kFinalizeKeys % kFinalizeThreads == 0, "a chunk's keys are kFinalizeKeys / kFinalizeThreads a thread");
+static_assert(kDecodeMaxHead <= kFinalizeThreads, "O's groups of threads cover Ev with one element a thread");
 __global__ void __launch_bounds__(kFinalizeThreads) decode_finalize(DevProblem p, DecodeWorkspace w) {
   constexpr int kPerThread = static_cast<int>(kFinalizeKeys / kFinalizeThreads);
   __shared__ float red[kFinalizeThreads / 32][2];

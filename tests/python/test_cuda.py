@@ -137,13 +137,13 @@ def test_random_dropout_same_mask_on_cpu_and_cuda(dtype, L, S):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=ids)
-@pytest.mark.parametrize("Ev", [40, 64, 256])
+@pytest.mark.parametrize("Ev", [8, 40, 128, 256])
 @pytest.mark.parametrize("mask", ["none", "neginf_rows", "float_pad"])
 def test_decode_rows_over_many_key_blocks(dtype, Ev, mask):
     """The decode path's last step (decode_finalize) on rows of 4796 keys: 19 key blocks whose
-    shares of O are summed by groups of threads (how many depends on Ev), two chunks of the row's
-    P, a GQA group's two heads in one CTA (L = 2), fully masked rows; against the float64 reference and with
-    every output poisoned first."""
+    shares of O are summed by 32, 4, 2 or 1 groups of threads (Ev 8, 40, 128, 256), two chunks of
+    the row's P, a GQA group's two heads in one CTA (L = 2); a fully masked row (neginf_rows) and
+    a padding mask; against the float64 reference, with every output poisoned first."""
     case = Case(batch=(2,), hq=4, hkv=2, L=2, S=4796, E=64, Ev=Ev, mask=mask, gqa=True)
     args, kwargs = build(case, dtype, seed=_seed(case), device="cuda")
     out, probs = sdpa_math.attention(*args, **kwargs)
