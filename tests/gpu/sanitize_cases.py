@@ -4,9 +4,9 @@ GQA, dropout, strided inputs, fp16/bf16 (tensor cores), a few query rows (the de
 fp32/fp64 (generic path), the Hopper statistics kernel, and kl_to's kernels (kl_forward, kl_rows, the Hopper
 backward's KL form; its forward's O and lse come from PyTorch's SDPA kernel where one applies).
 
-    compute-sanitizer --tool memcheck python3 tests/gpu/sanitize_cases.py [kl]
+    compute-sanitizer --tool memcheck python3 tests/gpu/sanitize_cases.py [kl|decode]
 
-(`kl`: only kl_to's calls.)
+(`kl`: only kl_to's calls; `decode`: only the decode path's.)
 """
 import sys
 
@@ -84,7 +84,26 @@ def kl(dtype, B, Hq, Hkv, L, S, E, causal=False):
     torch.autograd.grad(st["kl_to"].sum() * 1e-4, (q, k))
 
 
+def decode_cases(dtype):
+    """The decode path (L <= 4): packed rows of K and V and the (B, L, H, E) view, masks,
+    dropout, GQA groups, Ev != E, head 256."""
+    run(dtype, 1, 2, 2, 3, 530, 200, 256, mask="float", dropout=0.2)
+    run(dtype, 2, 4, 4, 2, 70, 64, 64, mask="bool")
+    run(dtype, 1, 2, 2, 4, 300, 32, 32, causal=True)
+    run(dtype, 2, 8, 2, 1, 600, 128, 128)                     # GQA, whole groups
+    run(dtype, 1, 8, 1, 1, 300, 64, 64, mask="float")         # GQA, half groups
+    run(dtype, 1, 4, 2, 2, 270, 16, 16, mask="bool")          # GQA, 2 heads x 2 rows
+    run(dtype, 2, 4, 2, 1, 777, 64, 40, blhe=True)            # rows H * E apart
+    run(dtype, 1, 2, 2, 1, 1100, 128, 128, blhe=True)
+
+
 def main():
+    if sys.argv[1:] == ["decode"]:
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            decode_cases(dtype)
+        torch.cuda.synchronize()
+        print("sanitize_cases: the decode calls finished")
+        return
     for dtype in (torch.float16, torch.bfloat16):
         kl(dtype, 1, 2, 2, 100, 136, 64)
         kl(dtype, 2, 4, 2, 130, 200, 128, causal=True)
@@ -122,12 +141,7 @@ def main():
         run(dtype, 1, 2, 2, 17, 90, 256, 256, mask="bool", dropout=0.2)
         run(dtype, 1, 2, 2, 20, 30, 40, 24, transposed=True)
         run(dtype, 1, 2, 1, 1, 300, 128, 128)
-        run(dtype, 1, 2, 2, 3, 530, 200, 256, mask="float", dropout=0.2)  # decode path
-        run(dtype, 2, 4, 4, 2, 70, 64, 64, mask="bool")                    # decode path
-        run(dtype, 1, 2, 2, 4, 300, 32, 32, causal=True)                   # decode path
-        run(dtype, 2, 8, 2, 1, 600, 128, 128)                              # GQA decode, whole groups
-        run(dtype, 1, 8, 1, 1, 300, 64, 64, mask="float")                  # GQA decode, half groups
-        run(dtype, 1, 4, 2, 2, 270, 16, 16, mask="bool")                   # GQA decode, 2 heads x 2 rows
+        decode_cases(dtype)
     for dtype in (torch.float32, torch.float64):
         run(dtype, 1, 2, 2, 9, 13, 20, 12, mask="float")
         run(dtype, 1, 2, 1, 8, 11, 16, 16, causal=True, dropout=0.3)
