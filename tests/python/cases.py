@@ -19,7 +19,7 @@ class Case:
     causal: bool = False
     gqa: bool = False
     dropout: str = "none"  # none | explicit_bool | explicit_float
-    layout: str = "contig"  # contig | transposed | sliced
+    layout: str = "contig"  # contig | transposed | sliced | blhe | wide_rows
     scale: float | None = None
 
     @property
@@ -48,6 +48,12 @@ def _make(shape, dtype, layout, gen, device):
     if layout == "sliced":
         t = torch.randn(*shape[:-1], 2 * shape[-1] + 1, generator=gen, dtype=torch.float64)
         return t.to(device=device, dtype=dtype)[..., 1::2]
+    if layout == "blhe":  # the (..., N, H, E) storage Hugging Face modules view as (..., H, N, E)
+        t = torch.randn(*shape[:-3], shape[-2], shape[-3], shape[-1], generator=gen, dtype=torch.float64)
+        return t.to(device=device, dtype=dtype).transpose(-3, -2)
+    if layout == "wide_rows":  # unit column stride, rows 16 elements longer than the last dim
+        t = torch.randn(*shape[:-1], shape[-1] + 16, generator=gen, dtype=torch.float64)
+        return t.to(device=device, dtype=dtype)[..., :shape[-1]]
     return torch.randn(*shape, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype)
 
 
