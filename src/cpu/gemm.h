@@ -27,7 +27,7 @@ void gemm_nt(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64
              float* C, int64_t ldc, Out out);
 
 // dst (cols x rows, leading dimension dst_ld) = src (rows x cols, leading dimension ld)
-// transposed, 16 x 16 blocks at a time in registers.
+// transposed, blocks of one vector's lanes square at a time in registers.
 void transpose(const float* src, int64_t rows, int64_t cols, int64_t ld, float* dst, int64_t dst_ld);
 
 SDPA_MATH_CPU_END

@@ -111,7 +111,7 @@ void store_row_once(DType dtype, char* base, int64_t offset, int64_t stride, int
   if (dtype != DType::Float32 || stride != 1) return store_row(dtype, base, offset, stride, n, in);
   float* p = reinterpret_cast<float*>(base) + offset;
   int64_t j = 0;
-  for (; j < n && reinterpret_cast<uintptr_t>(p + j) % sizeof(f32x16) != 0; ++j) p[j] = in[j];
+  for (; j < n && reinterpret_cast<uintptr_t>(p + j) % sizeof(vf32) != 0; ++j) p[j] = in[j];
   for (; j + kLanes <= n; j += kLanes) store_streaming(p + j, load(in + j));
   for (; j < n; ++j) p[j] = in[j];
 }
@@ -140,17 +140,17 @@ namespace {
 // exp(v): Cody-Waite range reduction v = k ln2 + r, |r| <= ln2/2, a degree-7 Taylor polynomial
 // (truncation error r^8/8! < 6e-9) and 2^k built in the exponent bits. Lanes below -87 (also
 // -inf and NaN) give 0; above 88 clamp (logits here are shifted by the row max, so <= 0).
-inline f32x16 exp16(f32x16 v) {
+inline vf32 exp_lanes(vf32 v) {
   constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693145751953125f, kLn2Lo = 1.42860682030941723212e-6f;
-  const i32x16 keep = v >= splat(-87.0f);
+  const vi32 keep = v >= splat(-87.0f);
   v = v < splat(-87.0f) ? splat(-87.0f) : v;
   v = v > splat(88.0f) ? splat(88.0f) : v;
-  const f32x16 t = v * kLog2e + 0.5f;
-  i32x16 k = __builtin_convertvector(t, i32x16);  // rounds toward zero: floor needs -1 below
-  k += __builtin_convertvector(k, f32x16) > t;    // a true comparison is -1
-  const f32x16 kf = __builtin_convertvector(k, f32x16);
-  const f32x16 r = v - kf * kLn2Hi - kf * kLn2Lo;
-  f32x16 poly = splat(1.0f / 5040.0f);
+  const vf32 t = v * kLog2e + 0.5f;
+  vi32 k = __builtin_convertvector(t, vi32);  // rounds toward zero: floor needs -1 below
+  k += __builtin_convertvector(k, vf32) > t;    // a true comparison is -1
+  const vf32 kf = __builtin_convertvector(k, vf32);
+  const vf32 r = v - kf * kLn2Hi - kf * kLn2Lo;
+  vf32 poly = splat(1.0f / 5040.0f);
   poly = poly * r + 1.0f / 720.0f;
   poly = poly * r + 1.0f / 120.0f;
   poly = poly * r + 1.0f / 24.0f;
@@ -158,19 +158,19 @@ inline f32x16 exp16(f32x16 v) {
   poly = poly * r + 0.5f;
   poly = poly * r + 1.0f;
   poly = poly * r + 1.0f;
-  const i32x16 two_k = (k + 127) << 23;
-  f32x16 two_kf;
+  const vi32 two_k = (k + 127) << 23;
+  vf32 two_kf;
   std::memcpy(&two_kf, &two_k, sizeof two_kf);
-  const f32x16 e = poly * two_kf;
-  i32x16 bits;
+  const vf32 e = poly * two_kf;
+  vi32 bits;
   std::memcpy(&bits, &e, sizeof bits);
   bits &= keep;
-  f32x16 out;
+  vf32 out;
   std::memcpy(&out, &bits, sizeof out);
   return out;
 }
 
-// The last n % 16 elements go through a padded copy, so every lane runs the same code.
+// The last n % kLanes elements go through a padded copy, so every lane runs the same code.
 template <class F>
 inline void for_tail(float* x, int64_t n, F&& f) {
   const int64_t rest = n % kLanes;
@@ -232,10 +232,10 @@ void RowContext::keep_row(int64_t i, float* keep, int64_t n) const {
 
 float softmax_row(float* x, int64_t n) {
   const int64_t full = n - n % kLanes;
-  f32x16 mv = splat(kNegInf);
-  i32x16 nan_lanes = i32x16{};  // the max below skips NaN, so NaN is looked for on the side
+  vf32 mv = splat(kNegInf);
+  vi32 nan_lanes = vi32{};  // the max below skips NaN, so NaN is looked for on the side
   for (int64_t j = 0; j < full; j += kLanes) {
-    const f32x16 v = load(x + j);
+    const vf32 v = load(x + j);
     mv = v > mv ? v : mv;
     nan_lanes |= v != v;
   }
@@ -258,15 +258,15 @@ float softmax_row(float* x, int64_t n) {
     return kNegInf;
   }
   // exp(x - m) and its sum in one pass; padded tail lanes are -inf and add 0.
-  f32x16 sv = f32x16{};
+  vf32 sv = vf32{};
   for (int64_t j = 0; j < full; j += kLanes) {
-    const f32x16 e = exp16(load(x + j) - m);
+    const vf32 e = exp_lanes(load(x + j) - m);
     store(x + j, e);
     sv += e;
   }
   for_tail(x, n, [&](float* buf, int64_t rest) {
     for (int64_t l = rest; l < kLanes; ++l) buf[l] = kNegInf;
-    const f32x16 e = exp16(load(buf) - m);
+    const vf32 e = exp_lanes(load(buf) - m);
     store(buf, e);
     sv += e;
   });
@@ -280,9 +280,9 @@ float softmax_row(float* x, int64_t n) {
 
 double entropy_row(const float* p, const float* x, int64_t n) {
   const int64_t full = n - n % kLanes;
-  f32x16 mv = splat(kNegInf), pv = f32x16{};
+  vf32 mv = splat(kNegInf), pv = vf32{};
   for (int64_t j = 0; j < full; j += kLanes) {
-    const f32x16 xj = load(x + j), pj = load(p + j);
+    const vf32 xj = load(x + j), pj = load(p + j);
     mv = xj > mv ? xj : mv;
     pv = pj > pv ? pj : pv;
   }
@@ -295,20 +295,19 @@ double entropy_row(const float* p, const float* x, int64_t n) {
     m = std::max(m, x[j]);
     p_max = std::max(p_max, p[j]);
   }
-  typedef double f64x8 __attribute__((vector_size(64)));
-  f64x8 lo = f64x8{}, hi = f64x8{};
-  const f32x16 zero = f32x16{};
+  vf64 lo = vf64{}, hi = vf64{};
+  const vf32 zero = vf32{};
   for (int64_t j = 0; j < full; j += kLanes) {
-    const f32x16 pj = load(p + j);
-    const f32x16 t = pj > zero ? pj * (m - load(x + j)) : zero;
-    f32x8 t_lo, t_hi;
+    const vf32 pj = load(p + j);
+    const vf32 t = pj > zero ? pj * (m - load(x + j)) : zero;
+    vf32_half t_lo, t_hi;
     std::memcpy(&t_lo, &t, sizeof(t_lo));
     std::memcpy(&t_hi, reinterpret_cast<const char*>(&t) + sizeof(t_lo), sizeof(t_hi));
-    lo += __builtin_convertvector(t_lo, f64x8);
-    hi += __builtin_convertvector(t_hi, f64x8);
+    lo += __builtin_convertvector(t_lo, vf64);
+    hi += __builtin_convertvector(t_hi, vf64);
   }
   double h = 0.0;
-  for (int64_t l = 0; l < 8; ++l) h += lo[l] + hi[l];
+  for (int64_t l = 0; l < kLanes / 2; ++l) h += lo[l] + hi[l];
   for (int64_t j = full; j < n; ++j)
     if (p[j] > 0.0f) h += static_cast<double>(p[j] * (m - x[j]));
   return h - std::log(static_cast<double>(p_max));
