@@ -11,11 +11,16 @@
 //      blocks' shares, and P = exp(s - m) / l from the kept logits.
 // The workspace is L*S + L*blocks*(Ev + 2) floats per head; heads are taken in chunks so that it
 // stays within kWorkspaceFloats (one head's worth at least).
+// decode_partial_tc does step 1 on tensor cores for fp16/bf16 with E = Ev = 64 or 128 and no
+// mask, causal or dropout (the common decode call): mma.sync for Q K^T and P V, fed from registers
+// without shared memory or ldmatrix (see the kernel), in blocks of kSplitKeysTc keys.
 // decode_backward (fp16/bf16) reads each K and V row once per key block likewise.
 // Rows of K and V are read 16 bytes per lane, a key row split over LPK lanes, so a warp covers
 // 32 / LPK keys per load and issues the loads of several steps together. Every contract rule
 // (mask, causal, dropout, fully masked and NaN rows) comes from device_problem.cuh.
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 #include <type_traits>
 
 #include "decode.cuh"
@@ -28,6 +33,7 @@ namespace {
 constexpr int kThreads = 128;  // 4 warps
 constexpr int kWarps = kThreads / 32;
 constexpr int kSplitKeys = 256;
+constexpr int kSplitKeysTc = 512;  // decode_partial_tc's blocks: 8 chunks of 16 keys a warp
 constexpr int kUnroll = 4;          // warp steps in flight per warp: two register buffers of kUnroll / 2
 constexpr int kFinalizeThreads = 256;
 constexpr int64_t kFinalizeKeys = 4096;               // keys of one row per finalize CTA
@@ -163,6 +169,22 @@ SDPA_MATH_D float keep_at(const DevProblem& p, const RowInfo& ri, int64_t j) {
   else return keep_of<float>(p, ri.dmask_at, ri.lead, ri.r, j);
 }
 SDPA_MATH_HD bool plain(const DevProblem& p) { return !p.mask.data && !p.causal && p.dropout == Dropout::None; }
+
+// Whether decode_partial_tc takes the forward's first step: fp16/bf16, E = Ev = 64 or 128,
+// PLAIN, more than one row per CTA (a GQA group's heads, or L > 1). One row per CTA (MHA decode)
+// stays on decode_partial: there the tensor-core kernel measured 0.338 ms against 0.292 on
+// decode_s2k_d128, while on decode_s32k_d128_gqa it took 0.107 against 0.143 (bench/NOTES.md,
+// session 35, v140). SDPA_MATH_DECODE_TC=0 keeps decode_partial everywhere (A/B measurements).
+// The key block size follows the kernel.
+bool tensor_core_partial(const DevProblem& p) {
+  static const bool enabled = [] {
+    const char* env = std::getenv("SDPA_MATH_DECODE_TC");
+    return !(env && std::string(env) == "0");
+  }();
+  return enabled && (p.q.dtype == DType::Float16 || p.q.dtype == DType::BFloat16) && p.E == p.Ev &&
+         (p.E == 64 || p.E == 128) && plain(p) && decode_heads_per_cta(p) * p.L > 1;
+}
+int64_t split_keys(const DevProblem& p) { return tensor_core_partial(p) ? kSplitKeysTc : kSplitKeys; }
 
 // The masked logits of key rows whose K chunks this lane holds (U warp steps from j0): key
 // j0 + u * KPW + (lane / LPK). Every lane of a group gets its key's logit; rows past L and keys
@@ -342,6 +364,179 @@ __global__ void __launch_bounds__(kThreads, R == 1 ? 5 : (PLAIN ? 4 : 3)) decode
     }
     float* dst = w.scores + (row0 + r) * p.S + first;
     for (int64_t jj = threadIdx.x; jj < n; jj += kThreads) dst[jj] = sc[r * kSplitKeys + jj];
+  }
+}
+
+// decode_partial's results on tensor cores (fp16/bf16, E = Ev = DT = 64 or 128, PLAIN problems),
+// for the CTA's count <= R <= 8 rows as rows 0..7 of m16n8k16's A operand (rows 8..15 zero).
+// Each warp takes kSplitKeysTc / 4 keys in chunks of 16, with the next chunk's rows in flight
+// while one is used (two register buffers). Per chunk:
+// - K: lane (g, t) loads 16 bytes (8 head dimensions) of key rows g and g + 8 for each 32
+//   dimensions, straight from global memory. A dot product does not care in which order the
+//   dimensions are summed, so those 8 dimensions serve as the B fragments of two k-steps, and Q's
+//   A fragments (built once) take the same order: k-step 2 qq + x reads dimensions
+//   32 qq + 8 t + 4 x + {0, 1} as k = 2t, 2t+1 and + {2, 3} as k = 2t+8, 2t+9.
+// - S = Q K^T (two n-tiles of 8 keys): lane (g, t) gets row g's logits of keys 2t, 2t+1, 8+2t,
+//   9+2t, which is the A fragment of P for P V as it stands (flash attention 2's register reuse);
+//   P is rounded to T there, as flash attention does.
+// - V: for P V the k index is the key, and a B fragment register holds two keys. Lane (g, t)
+//   loads 16 bytes of the rows of keys 2t, 2t+1, 2t+8, 2t+9 for each 64 dimensions and pairs
+//   them with byte permutes; the output dimensions are permuted too: n-tile (z, j)'s column g is
+//   dimension 64 z + 8 g + j, so lane (g, t) ends with dimensions 64 z + 16 t + j (+ 8).
+// The online softmax runs in base 2 (logits times log2 e); the block's max is stored in natural
+// units, its sum is the same number. Measured against decode_partial in bench/NOTES.md, session 35
+// (prototype tests/gpu/decode_tc_rate.cu: under 25 instructions a key against decode_partial's
+// 80). Launched for R = kDecodeMaxRows only (tensor_core_partial says why).
+template <typename T, int DT, int R>
+__global__ void __launch_bounds__(kThreads, 2) decode_partial_tc(DevProblem p, DecodeWorkspace w) {
+  static_assert(DT == 64 || DT == 128, "registers: O takes DT / 2 of them a lane");
+  static_assert(R <= 8, "the rows of one m16n8k16 A operand's first half");
+  constexpr int kWarpKeys = kSplitKeysTc / kWarps, kChunks = kWarpKeys / 16, QQ = DT / 32, Z = DT / 64;
+  static_assert(kChunks % 2 == 0, "the prefetching loop takes chunks in pairs");
+  constexpr float kLog2e = 1.4426950408889634f;
+  __shared__ float sc[R][kSplitKeysTc];  // the block's logits (natural units)
+  __shared__ float wstat[kWarps][R][2];  // each warp's (m, l), base 2
+  __shared__ float wacc[kWarps][R][DT];  // each warp's share of O
+  const int count = static_cast<int>(w.heads * p.L);
+  const int64_t blk = blockIdx.x % w.blocks, first_lead = w.lead0 + blockIdx.x / w.blocks * w.heads;
+  const int64_t row0 = (first_lead - w.lead0) * p.L;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+  // Q's A fragments, rows g < count (a1 = a3 = 0: rows g + 8).
+  uint32_t qa[2 * QQ][2];
+  {
+    const int64_t lead = first_lead + (g < count ? g : 0) / p.L, r = (g < count ? g : 0) % p.L;
+    const int64_t q_at = lead_off(p, p.q, lead) + r * p.q.row;
+    auto qe = [&](int e) { return g < count ? load_elem<float>(p.q.dtype, p.q.data, q_at + e * p.q.col) : 0.0f; };
+#pragma unroll
+    for (int ks = 0; ks < 2 * QQ; ++ks) {
+      const int e0 = 32 * (ks / 2) + 8 * t + 4 * (ks % 2);
+      qa[ks][0] = pack2<T>(qe(e0), qe(e0 + 1));
+      qa[ks][1] = pack2<T>(qe(e0 + 2), qe(e0 + 3));
+    }
+  }
+  const T* kbase = reinterpret_cast<const T*>(p.k.data) + lead_off(p, p.k, first_lead);
+  const T* vbase = reinterpret_cast<const T*>(p.v.data) + lead_off(p, p.v, first_lead);
+  const int64_t first = blk * kSplitKeysTc, j_end = min(p.S, first + kSplitKeysTc), n = j_end - first;
+  const float scale = static_cast<float>(p.scale);
+  auto row16 = [](const T* row, int64_t e, bool ok) {
+    return ok ? __ldg(reinterpret_cast<const uint4*>(row + e)) : make_uint4(0u, 0u, 0u, 0u);
+  };
+  using KRows = uint4[2][QQ];
+  using VRows = uint4[4][Z];
+  auto load = [&](KRows& kr, VRows& vr, int chunk) {
+    const int64_t key0 = first + warp * kWarpKeys + chunk * 16;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t j = key0 + 8 * h + g;
+#pragma unroll
+      for (int qq = 0; qq < QQ; ++qq) kr[h][qq] = row16(kbase + j * p.k.row, 32 * qq + 8 * t, j < j_end);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int64_t j = key0 + 2 * t + (i & 1) + (i >> 1) * 8;
+#pragma unroll
+      for (int z = 0; z < Z; ++z) vr[i][z] = row16(vbase + j * p.v.row, 64 * z + 8 * g, j < j_end);
+    }
+  };
+  float m = neg_inf<float>(), l = 0.0f;  // row g, base 2; l: this lane's part of the quad's sum
+  float o[Z][8][4];
+#pragma unroll
+  for (int z = 0; z < Z; ++z)
+#pragma unroll
+    for (int jn = 0; jn < 8; ++jn)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) o[z][jn][c] = 0.0f;
+  auto consume = [&](const KRows& kr, const VRows& vr, int chunk) {
+    const int64_t key0 = first + warp * kWarpKeys + chunk * 16;
+    float s[2][4] = {};
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int qq = 0; qq < QQ; ++qq)
+#pragma unroll
+        for (int x = 0; x < 2; ++x) {
+          const uint32_t a[4] = {qa[2 * qq + x][0], 0u, qa[2 * qq + x][1], 0u};
+          const uint32_t b0 = x ? kr[h][qq].z : kr[h][qq].x, b1 = x ? kr[h][qq].w : kr[h][qq].y;
+          mma_16816<T>(s[h], a, b0, b1);
+        }
+    float x2[4];  // base-2 logits of keys key0 + 2t, +1, + 8 + 2t, + 9 + 2t
+    float cmax = neg_inf<float>();
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int64_t j = key0 + 2 * t + (i & 1) + (i >> 1) * 8;
+      const float logit = s[i >> 1][i & 1] * scale;
+      x2[i] = j < j_end ? logit * kLog2e : neg_inf<float>();
+      if (g < count && j < j_end) sc[g][j - first] = logit;
+      cmax = max_nan(cmax, x2[i]);
+    }
+    const float mnew = max_nan(m, quad_max_nan(cmax));
+    // 2^(x - mnew), 0 for x = -inf (also when mnew = -inf), NaN when either is NaN.
+    auto w2 = [&](float x) { return x == neg_inf<float>() ? 0.0f : fast_exp2(x - mnew); };
+    const float alpha = w2(m);
+    float pw[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) pw[i] = w2(x2[i]);
+    l = l * alpha + ((pw[0] + pw[1]) + (pw[2] + pw[3]));
+    m = mnew;
+#pragma unroll
+    for (int z = 0; z < Z; ++z)
+#pragma unroll
+      for (int jn = 0; jn < 8; ++jn) o[z][jn][0] *= alpha, o[z][jn][1] *= alpha;
+    const uint32_t pa[4] = {pack2<T>(pw[0], pw[1]), 0u, pack2<T>(pw[2], pw[3]), 0u};
+#pragma unroll
+    for (int z = 0; z < Z; ++z)
+#pragma unroll
+      for (int jn = 0; jn < 8; ++jn) {
+        const uint32_t sel = (jn & 1) ? 0x7632u : 0x5410u;  // the high or low halves of two words
+        auto word = [&](const uint4& u) { return jn < 2 ? u.x : jn < 4 ? u.y : jn < 6 ? u.z : u.w; };
+        const uint32_t b0 = __byte_perm(word(vr[0][z]), word(vr[1][z]), sel);
+        const uint32_t b1 = __byte_perm(word(vr[2][z]), word(vr[3][z]), sel);
+        mma_16816<T>(o[z][jn], pa, b0, b1);
+      }
+  };
+  {
+    uint4 ka[2][QQ], va[4][Z], kb[2][QQ], vb[4][Z];
+    load(ka, va, 0);
+#pragma unroll 1
+    for (int chunk = 0; chunk < kChunks; chunk += 2) {
+      load(kb, vb, chunk + 1);
+      consume(ka, va, chunk);
+      if (chunk + 2 < kChunks) load(ka, va, chunk + 2);
+      consume(kb, vb, chunk + 1);
+    }
+  }
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  if (g < count) {
+    if (t == 0) wstat[warp][g][0] = m, wstat[warp][g][1] = l;
+#pragma unroll
+    for (int z = 0; z < Z; ++z)
+#pragma unroll
+      for (int jn = 0; jn < 8; ++jn) {
+        wacc[warp][g][64 * z + 16 * t + jn] = o[z][jn][0];
+        wacc[warp][g][64 * z + 16 * t + 8 + jn] = o[z][jn][1];
+      }
+  }
+  __syncthreads();
+  // The block's (m_b, l_b) and share of O over the warps, and its logits, to the workspace.
+  for (int r = 0; r < count; ++r) {
+    float mb = neg_inf<float>();
+    for (int x = 0; x < kWarps; ++x) mb = max_nan(mb, wstat[x][r][0]);
+    auto wt = [&](int x) { const float mx = wstat[x][r][0]; return mx == neg_inf<float>() ? 0.0f : fast_exp2(mx - mb); };
+    const int64_t at = (row0 + r) * w.blocks + blk;
+    for (int e = threadIdx.x; e < DT; e += kThreads) {
+      float acc = 0.0f;
+      for (int x = 0; x < kWarps; ++x) acc += wt(x) * wacc[x][r][e];
+      w.partial[at * DT + e] = acc;
+    }
+    if (threadIdx.x == 0) {
+      float lb = 0.0f;
+      for (int x = 0; x < kWarps; ++x) lb += wt(x) * wstat[x][r][1];
+      w.stats[at * 2] = mb * (1.0f / kLog2e);
+      w.stats[at * 2 + 1] = lb;
+    }
+    float* dst = w.scores + (row0 + r) * p.S + first;
+    for (int64_t jj = threadIdx.x; jj < n; jj += kThreads) dst[jj] = sc[r][jj];
   }
 }
 
@@ -634,6 +829,15 @@ void launch_decode(const DevProblem& p, const DecodeWorkspace& w, int64_t chunk,
     const size_t smem = sizeof(float) * (count * DT + count * kSplitKeys + kWarps * rows * (2 + DT));
     kernel<<<partial_grid, kThreads, smem, stream>>>(p, w);
   };
+  if constexpr (!std::is_same_v<T, float> && DT <= 128) {
+    if (tensor_core_partial(p)) {
+      decode_partial_tc<T, DT, kDecodeMaxRows><<<partial_grid, kThreads, 0, stream>>>(p, w);
+      check_launch("decode blocks");
+      decode_finalize<<<finalize_grid, kFinalizeThreads, 0, stream>>>(p, w);
+      check_launch("decode rows");
+      return;
+    }
+  }
   if (count == 1) plain(p) ? go(decode_partial<T, DT, 1, true>, 1) : go(decode_partial<T, DT, 1, false>, 1);
   else if (plain(p)) go(decode_partial<T, DT, kDecodeMaxRows, true>, kDecodeMaxRows);
   else go(decode_partial<T, DT, kDecodeMaxRows, false>, kDecodeMaxRows);
@@ -652,7 +856,7 @@ void launch_for_head(const DevProblem& p, const DecodeWorkspace& w, int64_t chun
 
 // Workspace floats of one head, and how many heads one pass takes.
 int64_t workspace_per_lead(const DevProblem& p) {
-  const int64_t blocks = (p.S + kSplitKeys - 1) / kSplitKeys;
+  const int64_t blocks = (p.S + split_keys(p) - 1) / split_keys(p);
   return p.L * p.S + p.L * blocks * (p.Ev + 2);
 }
 int64_t leads_per_pass(const DevProblem& p) {
@@ -727,7 +931,7 @@ void decode_backward_run(const DevProblem& p, const BackwardBuffers<float>& g, c
 int64_t decode_workspace_floats(const DevProblem& p) { return leads_per_pass(p) * workspace_per_lead(p); }
 
 void decode_forward(const DevProblem& p, float* workspace, cudaStream_t stream) {
-  const int64_t chunk_max = leads_per_pass(p), blocks = (p.S + kSplitKeys - 1) / kSplitKeys;
+  const int64_t chunk_max = leads_per_pass(p), blocks = (p.S + split_keys(p) - 1) / split_keys(p);
   for (int64_t lead0 = 0; lead0 < p.num_lead; lead0 += chunk_max) {
     const int64_t chunk = std::min(chunk_max, p.num_lead - lead0);
     DecodeWorkspace w;

@@ -169,6 +169,40 @@ def test_decode_key_rows_of_any_row_stride(dtype, layout, hq, L):
     _decode_matches_reference(Case(batch=(2,), hq=hq, hkv=2, L=L, S=777, E=64, Ev=40, gqa=hq != 2, layout=layout), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=ids)
+@pytest.mark.parametrize("E", [64, 128])
+@pytest.mark.parametrize("layout", ["contig", "blhe", "wide_rows"])
+@pytest.mark.parametrize("hq,L,S", [(4, 1, 2048), (4, 1, 777), (8, 1, 4796), (4, 2, 1100), (2, 3, 530)],
+                         ids=["gqa2_2048", "gqa2_777", "gqa4_4796", "gqa2x2_1100", "mha3_530"])
+def test_decode_on_tensor_cores(dtype, E, layout, hq, L, S):
+    """decode_partial_tc (fp16/bf16, E = Ev = 64 or 128, no mask, more than one row a CTA): a
+    GQA group of two or four heads, 2 x 2 rows, or three rows of one head in one CTA; 512-key
+    blocks full (2048), ragged (777: a block of 265 keys, warps with no key; 530), many (4796:
+    10 blocks); packed rows, the (B, S, H, E) view and rows wider than E. P and O against the
+    float64 reference."""
+    _decode_matches_reference(Case(batch=(2,), hq=hq, hkv=2, L=L, S=S, E=E, Ev=E, gqa=hq != 2, layout=layout), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=ids)
+def test_decode_on_tensor_cores_keeps_nan_and_inf_rows(dtype):
+    """A NaN in one key row makes the rows that see it NaN in P, O and lse, as the math op's
+    softmax does; an inf logit's row is NaN too (inf - inf); the other heads' rows are exact."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 2, 128, generator=gen).to(dtype)  # two rows a head: the tensor-core kernel
+    k = torch.randn(2, 4, 1100, 128, generator=gen).to(dtype)
+    v = torch.randn(2, 4, 1100, 128, generator=gen).to(dtype)
+    k[0, 1, 700, 5] = float("nan")
+    k[1, 2, 3, :] = float("inf")
+    out, probs, lse = sdpa_math.attention_with_lse(q.cuda(), k.cuda(), v.cuda(), None, 0.0, False, None)
+    ref_out, ref_probs, ref_lse = sdpa_math.attention_with_lse(q.double(), k.double(), v.double(), None, 0.0, False, None)
+    for got, ref in ((probs, ref_probs), (out, ref_out), (lse, ref_lse)):
+        got = got.cpu().double()
+        assert torch.equal(got.isnan(), ref.isnan())
+        assert got.isnan().any()
+        rtol, atol = TOL[dtype]
+        torch.testing.assert_close(got.nan_to_num(), ref.nan_to_num(), rtol=rtol, atol=atol * 10)
+
+
 def test_long_rows_past_2_pow_31_elements_per_batch_index_do_not_wrap():
     """P of (1, 2, 32768, 32768) fp16: the second head's P starts at element 2^31."""
     free, _ = torch.cuda.mem_get_info()
