@@ -54,8 +54,9 @@ float softmax_row(float* x, int64_t n);
 // −log P_max + Σ_j P_j (m − x_j) with m = max x and P_max = max P: every term ≥ 0, so the sum has
 // no cancellation, and one logarithm a row (not from the lse: next to a float mask's finfo.min,
 // m + log Σ rounds back to m in fp32 and every lse − x_j would be 0). Each term in fp32 (two
-// roundings, ≤ 1.2e-7 relative), summed in 16 fp64 lanes in a fixed order, so the result does
-// not depend on the ISA. Entries with P_j = 0 add 0 (a hidden key's x_j is −inf).
+// roundings, ≤ 1.2e-7 relative), summed in fp64 lanes (half a vector's worth: 8 on AVX-512, 4 on
+// AVX2, 2 on the baseline) in a fixed order per level, so levels may differ in the last bits.
+// Entries with P_j = 0 add 0 (a hidden key's x_j is −inf).
 double entropy_row(const float* p, const float* x, int64_t n);
 
 

@@ -11,9 +11,10 @@
 //      blocks' shares, and P = exp(s - m) / l from the kept logits.
 // The workspace is L*S + L*blocks*(Ev + 2) floats per head; heads are taken in chunks so that it
 // stays within kWorkspaceFloats (one head's worth at least).
-// decode_partial_tc does step 1 on tensor cores for fp16/bf16 with E = Ev = 64 or 128 and no
-// mask, causal or dropout (the common decode call): mma.sync for Q K^T and P V, fed from registers
-// without shared memory or ldmatrix (see the kernel), in blocks of kSplitKeysTc keys.
+// decode_partial_tc does step 1 on tensor cores for fp16/bf16 with E = Ev = 64 or 128, no mask,
+// causal or dropout, and more than one row per CTA (GQA decode's groups): mma.sync for Q K^T and
+// P V, fed from registers without shared memory or ldmatrix (see the kernel), in blocks of
+// kSplitKeysTc keys.
 // decode_backward (fp16/bf16) reads each K and V row once per key block likewise.
 // Rows of K and V are read 16 bytes per lane, a key row split over LPK lanes, so a warp covers
 // 32 / LPK keys per load and issues the loads of several steps together. Every contract rule

@@ -1,10 +1,11 @@
 // The CPU backend's building blocks against plain double-precision loops:
-// - the tile products A B, A B^T and A^T B: every register-block and tail path (32/16/8-wide
-//   panels, fewer than 8 columns through the padded panel, 8/4/1-row blocks, fewer than 8 rows of
-//   A B^T as dot products with and without a K tail), leading dimensions wider than the tile,
-//   overwrite, add and streaming stores;
-// - the transpose: 16 x 16 register blocks and the scalar edges;
-// - the vectorised softmax: lengths that are and are not multiples of the 16-lane vectors, -inf
+// - the tile products A B, A B^T and A^T B: every register-block and tail path (panels of two
+//   vectors, one vector and, on AVX-512, 8 floats; the last columns through the padded panel;
+//   row blocks of the level's tile, 4 and 1; fewer than 8 rows of A B^T as dot products with and
+//   without a K tail), leading dimensions wider than the tile, overwrite, add and streaming
+//   stores;
+// - the transpose: register blocks of one vector's lanes square and the scalar edges;
+// - the vectorised softmax: lengths that are and are not multiples of the level's vectors, -inf
 //   entries, masked rows;
 // - the vectorised fp16 row conversions against half.h's scalar ones, bit for bit.
 // This file is compiled once per level of the CPU kernels (src/cpu/isa.h, SDPA_MATH_CPU_ISA) and
@@ -62,7 +63,7 @@ TEST_P(LEVEL_SUITE(TileProduct), MatchesDoubleLoops) {
   std::mt19937_64 rng(M * 1000003 + N * 1009 + K);
   // Padded leading dimensions: the kernels must honour them, not assume packed rows. C's rows are
   // a multiple of 16 floats apart and start 64-byte aligned, so Out::Stream takes its
-  // non-temporal stores (plain stores elsewhere give the same values).
+  // non-temporal stores on AVX-512 and AVX2 (plain stores elsewhere give the same values).
   const int64_t lda = K + 3, lda_tn = M + 3, ldb_nn = N + 5, ldb_nt = K + 7, ldc = (N + 2 + 15) / 16 * 16;
   const std::vector<float> A = random_floats(rng, M * lda), Atn = random_floats(rng, K * lda_tn),
                            Bnn = random_floats(rng, K * ldb_nn), Bnt = random_floats(rng, N * ldb_nt),

@@ -266,7 +266,7 @@ TEST(ForwardSemantics, NanScoreGivesNanRow) {
     c.dtype = dt;
     c.batch = {1};
     c.L = 5;
-    c.S = 37;  // a full 16-lane block and a tail
+    c.S = 37;  // full vector blocks at every level (16, 8, 4 lanes) and a tail
     Built b = build(c);
     std::vector<double> q = read(b.q.view);
     q[(1 * 5 + 3) * 8 + 2] = std::numeric_limits<double>::quiet_NaN();  // head 1, row 3

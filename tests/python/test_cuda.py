@@ -172,27 +172,30 @@ def test_decode_key_rows_of_any_row_stride(dtype, layout, hq, L):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=ids)
 @pytest.mark.parametrize("E", [64, 128])
 @pytest.mark.parametrize("layout", ["contig", "blhe", "wide_rows"])
-@pytest.mark.parametrize("hq,L,S", [(4, 1, 2048), (4, 1, 777), (8, 1, 4796), (4, 2, 1100), (2, 3, 530)],
-                         ids=["gqa2_2048", "gqa2_777", "gqa4_4796", "gqa2x2_1100", "mha3_530"])
+@pytest.mark.parametrize("hq,L,S", [(4, 1, 2048), (4, 1, 777), (8, 1, 4796), (4, 2, 1100), (2, 3, 530), (4, 1, 300)],
+                         ids=["gqa2_2048", "gqa2_777", "gqa4_4796", "gqa2x2_1100", "mha3_530", "gqa2_300"])
 def test_decode_on_tensor_cores(dtype, E, layout, hq, L, S):
     """decode_partial_tc (fp16/bf16, E = Ev = 64 or 128, no mask, more than one row a CTA): a
     GQA group of two or four heads, 2 x 2 rows, or three rows of one head in one CTA; 512-key
     blocks full (2048), ragged (777: a block of 265 keys, warps with no key; 530), many (4796:
-    10 blocks); packed rows, the (B, S, H, E) view and rows wider than E. P and O against the
-    float64 reference."""
+    10 blocks), one block (300); packed rows, the (B, S, H, E) view and rows wider than E. P and
+    O against the float64 reference."""
     _decode_matches_reference(Case(batch=(2,), hq=hq, hkv=2, L=L, S=S, E=E, Ev=E, gqa=hq != 2, layout=layout), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=ids)
 def test_decode_on_tensor_cores_keeps_nan_and_inf_rows(dtype):
     """A NaN in one key row makes the rows that see it NaN in P, O and lse, as the math op's
-    softmax does; an inf logit's row is NaN too (inf - inf); the other heads' rows are exact."""
+    softmax does; a +inf logit's row is NaN too (inf - inf), a -inf logit is a key of weight 0
+    in an otherwise finite row; the other rows match the reference."""
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(2, 4, 2, 128, generator=gen).to(dtype)  # two rows a head: the tensor-core kernel
     k = torch.randn(2, 4, 1100, 128, generator=gen).to(dtype)
     v = torch.randn(2, 4, 1100, 128, generator=gen).to(dtype)
     k[0, 1, 700, 5] = float("nan")
-    k[1, 2, 3, :] = float("inf")
+    k[1, 2, 3, :] = 0  # key 3 of head (1, 2): logit +inf for row 0, -inf for row 1
+    k[1, 2, 3, 5] = float("inf")
+    q[1, 2, 0, 5], q[1, 2, 1, 5] = 1, -1
     out, probs, lse = sdpa_math.attention_with_lse(q.cuda(), k.cuda(), v.cuda(), None, 0.0, False, None)
     ref_out, ref_probs, ref_lse = sdpa_math.attention_with_lse(q.double(), k.double(), v.double(), None, 0.0, False, None)
     for got, ref in ((probs, ref_probs), (out, ref_out), (lse, ref_lse)):
