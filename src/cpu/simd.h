@@ -52,8 +52,9 @@ inline vf32 splat(float x) { return vf32{} + x; }
 // to V's size, else a plain store: for results written once and not read again soon, whose
 // cache lines would otherwise be read in before being overwritten. Callers end with
 // streaming_fence() before another thread reads what they wrote. No 16-byte (SSE) form: the
-// baseline's 8-float panels wrote each row's cache line in quarters, and a decode backward ran 4x
-// slower on a Xeon than with plain stores (bench/NOTES.md, session 35).
+// baseline's 8-float panels wrote half of each row's cache line per panel, 16 bytes at a time,
+// and a decode backward ran 4x slower on a Xeon than with plain stores (bench/NOTES.md, session
+// 35).
 template <class V>
 inline void store_streaming(float* p, V v) {
   if (reinterpret_cast<uintptr_t>(p) % sizeof(V) == 0) {
