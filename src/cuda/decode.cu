@@ -64,6 +64,8 @@ struct DecodeWorkspace {
 // exp(x - m) as a weight relative to a max m >= x: 0 for x = -inf (also when m = -inf, which
 // would give NaN), NaN when either is NaN.
 SDPA_MATH_D float weight_to(float x, float m) { return x == neg_inf<float>() ? 0.0f : __expf(x - m); }
+// The same in base 2 (decode_partial_tc's logits are scaled by log2 e).
+SDPA_MATH_D float weight2_to(float x, float m) { return x == neg_inf<float>() ? 0.0f : fast_exp2(x - m); }
 
 template <typename T>
 SDPA_MATH_D void unpack16(const uint4& raw, float (&x)[16 / sizeof(T)]) {
@@ -471,12 +473,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_partial_tc(DevProblem p, D
       cmax = max_nan(cmax, x2[i]);
     }
     const float mnew = max_nan(m, quad_max_nan(cmax));
-    // 2^(x - mnew), 0 for x = -inf (also when mnew = -inf), NaN when either is NaN.
-    auto w2 = [&](float x) { return x == neg_inf<float>() ? 0.0f : fast_exp2(x - mnew); };
-    const float alpha = w2(m);
+    const float alpha = weight2_to(m, mnew);
     float pw[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) pw[i] = w2(x2[i]);
+    for (int i = 0; i < 4; ++i) pw[i] = weight2_to(x2[i], mnew);
     l = l * alpha + ((pw[0] + pw[1]) + (pw[2] + pw[3]));
     m = mnew;
 #pragma unroll
@@ -523,7 +523,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_partial_tc(DevProblem p, D
   for (int r = 0; r < count; ++r) {
     float mb = neg_inf<float>();
     for (int x = 0; x < kWarps; ++x) mb = max_nan(mb, wstat[x][r][0]);
-    auto wt = [&](int x) { const float mx = wstat[x][r][0]; return mx == neg_inf<float>() ? 0.0f : fast_exp2(mx - mb); };
+    auto wt = [&](int x) { return weight2_to(wstat[x][r][0], mb); };
     const int64_t at = (row0 + r) * w.blocks + blk;
     for (int e = threadIdx.x; e < DT; e += kThreads) {
       float acc = 0.0f;
