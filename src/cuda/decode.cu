@@ -11,10 +11,9 @@
 //      blocks' shares, and P = exp(s - m) / l from the kept logits.
 // The workspace is L*S + L*blocks*(Ev + 2) floats per head; heads are taken in chunks so that it
 // stays within kWorkspaceFloats (one head's worth at least).
-// decode_partial_tc does step 1 on tensor cores for fp16/bf16 with E = Ev = 64 or 128, no mask,
-// causal or dropout, and more than one row per CTA (GQA decode's groups): mma.sync for Q K^T and
-// P V, fed from registers without shared memory or ldmatrix (see the kernel), in blocks of
-// kSplitKeysTc keys.
+// decode_partial_tc does step 1 on tensor cores for fp16/bf16 with E = Ev = 64 or 128 and no
+// mask, causal or dropout: mma.sync for K Q^T and V^T P^T, fed from registers without shared
+// memory or ldmatrix (see the kernel), in blocks of kSplitKeysTc keys.
 // decode_backward (fp16/bf16) reads each K and V row once per key block likewise.
 // Rows of K and V are read 16 bytes per lane, a key row split over LPK lanes, so a warp covers
 // 32 / LPK keys per load and issues the loads of several steps together. Every contract rule
@@ -174,18 +173,15 @@ SDPA_MATH_D float keep_at(const DevProblem& p, const RowInfo& ri, int64_t j) {
 SDPA_MATH_HD bool plain(const DevProblem& p) { return !p.mask.data && !p.causal && p.dropout == Dropout::None; }
 
 // Whether decode_partial_tc takes the forward's first step: fp16/bf16, E = Ev = 64 or 128,
-// PLAIN, more than one row per CTA (a GQA group's heads, or L > 1). One row per CTA (MHA decode)
-// stays on decode_partial: there the tensor-core kernel measured 0.338 ms against 0.292 on
-// decode_s2k_d128, while on decode_s32k_d128_gqa it took 0.107 against 0.143 (bench/NOTES.md,
-// session 35, v140). SDPA_MATH_DECODE_TC=0 keeps decode_partial everywhere (A/B measurements).
-// The key block size follows the kernel.
+// PLAIN. SDPA_MATH_DECODE_TC=0 keeps decode_partial everywhere (A/B measurements: bench/NOTES.md,
+// sessions 35 and 36). The key block size follows the kernel.
 bool tensor_core_partial(const DevProblem& p) {
   static const bool enabled = [] {
     const char* env = std::getenv("SDPA_MATH_DECODE_TC");
     return !(env && std::string(env) == "0");
   }();
   return enabled && (p.q.dtype == DType::Float16 || p.q.dtype == DType::BFloat16) && p.E == p.Ev &&
-         (p.E == 64 || p.E == 128) && plain(p) && decode_heads_per_cta(p) * p.L > 1;
+         (p.E == 64 || p.E == 128) && plain(p);
 }
 int64_t split_keys(const DevProblem& p) { return tensor_core_partial(p) ? kSplitKeysTc : kSplitKeys; }
 
@@ -371,128 +367,148 @@ __global__ void __launch_bounds__(kThreads, R == 1 ? 5 : (PLAIN ? 4 : 3)) decode
 }
 
 // decode_partial's results on tensor cores (fp16/bf16, E = Ev = DT = 64 or 128, PLAIN problems),
-// for the CTA's count <= R <= 8 rows as rows 0..7 of m16n8k16's A operand (rows 8..15 zero).
-// Each warp takes kSplitKeysTc / 4 keys in chunks of 16, with the next chunk's rows in flight
-// while one is used (two register buffers). Per chunk:
-// - K: lane (g, t) loads 16 bytes (8 head dimensions) of key rows g and g + 8 for each 32
+// for the CTA's count <= kDecodeMaxRows rows. The products are taken transposed, S^T = K Q^T and
+// O^T = V^T P^T: keys and output dimensions are the M side of m16n8k16 and the rows its N side,
+// so every accumulator register holds a result (the untransposed form pads 16 rows of M to
+// count and carries twice the registers of O). Each warp takes kSplitKeysTc / 4 keys in chunks
+// of 16, with the next chunk's rows in flight while one is used (two register buffers). Per
+// chunk:
+// - A = K: lane (g, t) loads 16 bytes (8 head dimensions) of key rows g and g + 8 for each 32
 //   dimensions, straight from global memory. A dot product does not care in which order the
-//   dimensions are summed, so those 8 dimensions serve as the B fragments of two k-steps, and Q's
-//   A fragments (built once) take the same order: k-step 2 qq + x reads dimensions
-//   32 qq + 8 t + 4 x + {0, 1} as k = 2t, 2t+1 and + {2, 3} as k = 2t+8, 2t+9.
-// - S = Q K^T (two n-tiles of 8 keys): lane (g, t) gets row g's logits of keys 2t, 2t+1, 8+2t,
-//   9+2t, which is the A fragment of P for P V as it stands (flash attention 2's register reuse);
-//   P is rounded to T there, as flash attention does.
-// - V: for P V the k index is the key, and a B fragment register holds two keys. Lane (g, t)
-//   loads 16 bytes of the rows of keys 2t, 2t+1, 2t+8, 2t+9 for each 64 dimensions and pairs
-//   them with byte permutes; the output dimensions are permuted too: n-tile (z, j)'s column g is
-//   dimension 64 z + 8 g + j, so lane (g, t) ends with dimensions 64 z + 16 t + j (+ 8).
-// The online softmax runs in base 2 (logits times log2 e); the block's max is stored in natural
-// units, its sum is the same number. Measured against decode_partial in bench/NOTES.md, session 35
-// (prototype tests/gpu/decode_tc_rate.cu: under 25 instructions a key against decode_partial's
-// 80). Launched for R = kDecodeMaxRows only (tensor_core_partial says why).
-template <typename T, int DT, int R>
+//   dimensions are summed, so those 8 dimensions serve as the A fragments of two k-steps:
+//   k-step 2 qq + x reads dimensions 32 qq + 8 t + 4 x + {0, 1} as k = 2t, 2t+1 and + {2, 3} as
+//   k = 2t+8, 2t+9; B = Q^T takes the same order (built once).
+// - Lane (g, t) gets the logits of keys g and g + 8 for rows 2t and 2t + 1; a row's max is taken
+//   over the 8 lanes of one t. P^T as the B operand of O^T = V^T P^T needs row g's keys 2t, 2t+1
+//   (and + 8): one movmatrix.trans of the packed (key g; rows 2t, 2t+1) words gives them. P is
+//   rounded to T there, as flash attention does.
+// - A = V^T: m-tile (z, jp)'s row g stands for dimension 64 z + 8 g + 2 jp, row g + 8 for the
+//   one after it. Lane (g, t) loads 16 bytes of the rows of keys 2t, 2t+1, 2t+8, 2t+9 at
+//   dimension 64 z + 8 g and pairs them with byte permutes.
+// - O^T's accumulators hold rows 2t and 2t + 1, whose rescale factors the lane computed itself.
+// 8 + 8 mma a chunk for DT = 128. The online softmax runs in base 2 (logits times log2 e); the
+// block's max is stored in natural units, its sum is the same number. Key indices inside the
+// block are 32-bit and each lane's row addresses are computed once. Measured in bench/NOTES.md,
+// sessions 35 and 36 (prototype: tests/gpu/decode_tc_rate.cu, partial_tc_t).
+template <typename T, int DT>
 __global__ void __launch_bounds__(kThreads, 2) decode_partial_tc(DevProblem p, DecodeWorkspace w) {
-  static_assert(DT == 64 || DT == 128, "registers: O takes DT / 2 of them a lane");
-  static_assert(R <= 8, "the rows of one m16n8k16 A operand's first half");
+  static_assert(DT == 64 || DT == 128, "registers: O^T takes DT / 4 of them a lane");
+  constexpr int R = kDecodeMaxRows;
+  static_assert(R <= 8, "rows are the N side (8) of m16n8k16");
   constexpr int kWarpKeys = kSplitKeysTc / kWarps, kChunks = kWarpKeys / 16, QQ = DT / 32, Z = DT / 64;
+  constexpr int kPad = 4;  // sc's rows 4 banks apart: a warp's stores (rows 2t, 2t+1; keys g) meet no conflict
   static_assert(kChunks % 2 == 0, "the prefetching loop takes chunks in pairs");
   constexpr float kLog2e = 1.4426950408889634f;
-  __shared__ float sc[R][kSplitKeysTc];  // the block's logits (natural units)
-  __shared__ float wstat[kWarps][R][2];  // each warp's (m, l), base 2
-  __shared__ float wacc[kWarps][R][DT];  // each warp's share of O
+  __shared__ float sc[R][kSplitKeysTc + kPad];  // the block's logits (natural units)
+  __shared__ float wstat[kWarps][R][2];         // each warp's (m, l), base 2
+  __shared__ float wacc[kWarps][R][DT];         // each warp's share of O
   const int count = static_cast<int>(w.heads * p.L);
   const int64_t blk = blockIdx.x % w.blocks, first_lead = w.lead0 + blockIdx.x / w.blocks * w.heads;
   const int64_t row0 = (first_lead - w.lead0) * p.L;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
-  // Q's A fragments, rows g < count (a1 = a3 = 0: rows g + 8).
-  uint32_t qa[2 * QQ][2];
+  const int r0 = 2 * t, r1 = 2 * t + 1;  // this lane's rows of S^T and O^T
+  // B = Q^T: row g's dimensions in the permuted order (zero for g >= count). Rows of 16 bytes
+  // when q's rows allow it (the contiguous and the (B, L, H, E) layouts), else element by element.
+  uint32_t qb[2 * QQ][2];
   {
-    const int64_t lead = first_lead + (g < count ? g : 0) / p.L, r = (g < count ? g : 0) % p.L;
-    const int64_t q_at = lead_off(p, p.q, lead) + r * p.q.row;
-    auto qe = [&](int e) { return g < count ? load_elem<float>(p.q.dtype, p.q.data, q_at + e * p.q.col) : 0.0f; };
+    const int gr = g < count ? g : 0;
+    const int64_t lead = first_lead + gr / p.L, r = gr % p.L;
+    const T* qrow = reinterpret_cast<const T*>(p.q.data) + lead_off(p, p.q, lead) + r * p.q.row;
+    const bool vec = p.q.col == 1 && reinterpret_cast<uintptr_t>(qrow) % 16 == 0;
 #pragma unroll
-    for (int ks = 0; ks < 2 * QQ; ++ks) {
-      const int e0 = 32 * (ks / 2) + 8 * t + 4 * (ks % 2);
-      qa[ks][0] = pack2<T>(qe(e0), qe(e0 + 1));
-      qa[ks][1] = pack2<T>(qe(e0 + 2), qe(e0 + 3));
+    for (int qq = 0; qq < QQ; ++qq) {
+      uint4 u = make_uint4(0u, 0u, 0u, 0u);
+      if (g < count) {
+        if (vec) {
+          u = __ldg(reinterpret_cast<const uint4*>(qrow + 32 * qq + 8 * t));
+        } else {
+          uint16_t h[8];
+#pragma unroll
+          for (int i = 0; i < 8; ++i) memcpy(&h[i], qrow + (32 * qq + 8 * t + i) * p.q.col, 2);
+          u = make_uint4(h[0] | (uint32_t{h[1]} << 16), h[2] | (uint32_t{h[3]} << 16), h[4] | (uint32_t{h[5]} << 16),
+                         h[6] | (uint32_t{h[7]} << 16));
+        }
+      }
+      qb[2 * qq][0] = u.x, qb[2 * qq][1] = u.y, qb[2 * qq + 1][0] = u.z, qb[2 * qq + 1][1] = u.w;
     }
   }
-  const T* kbase = reinterpret_cast<const T*>(p.k.data) + lead_off(p, p.k, first_lead);
-  const T* vbase = reinterpret_cast<const T*>(p.v.data) + lead_off(p, p.v, first_lead);
-  const int64_t first = blk * kSplitKeysTc, j_end = min(p.S, first + kSplitKeysTc), n = j_end - first;
+  const int64_t first = blk * kSplitKeysTc, wfirst = first + warp * kWarpKeys;
+  const int n = static_cast<int>(min(p.S - first, static_cast<int64_t>(kSplitKeysTc)));  // the block's keys
+  const int wn = n - warp * kWarpKeys;  // the warp's keys (<= 0: none)
+  const int64_t krow = p.k.row, vrow = p.v.row;
+  const T* kp = reinterpret_cast<const T*>(p.k.data) + lead_off(p, p.k, first_lead) + (wfirst + g) * krow + 8 * t;
+  const T* vp = reinterpret_cast<const T*>(p.v.data) + lead_off(p, p.v, first_lead) + (wfirst + 2 * t) * vrow + 8 * g;
   const float scale = static_cast<float>(p.scale);
-  auto row16 = [](const T* row, int64_t e, bool ok) {
-    return ok ? __ldg(reinterpret_cast<const uint4*>(row + e)) : make_uint4(0u, 0u, 0u, 0u);
+  auto row16 = [](const T* at, bool ok) {
+    return ok ? __ldg(reinterpret_cast<const uint4*>(at)) : make_uint4(0u, 0u, 0u, 0u);
   };
   using KRows = uint4[2][QQ];
   using VRows = uint4[4][Z];
   auto load = [&](KRows& kr, VRows& vr, int chunk) {
-    const int64_t key0 = first + warp * kWarpKeys + chunk * 16;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int64_t j = key0 + 8 * h + g;
-#pragma unroll
-      for (int qq = 0; qq < QQ; ++qq) kr[h][qq] = row16(kbase + j * p.k.row, 32 * qq + 8 * t, j < j_end);
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int64_t j = key0 + 2 * t + (i & 1) + (i >> 1) * 8;
-#pragma unroll
-      for (int z = 0; z < Z; ++z) vr[i][z] = row16(vbase + j * p.v.row, 64 * z + 8 * g, j < j_end);
-    }
-  };
-  float m = neg_inf<float>(), l = 0.0f;  // row g, base 2; l: this lane's part of the quad's sum
-  float o[Z][8][4];
-#pragma unroll
-  for (int z = 0; z < Z; ++z)
-#pragma unroll
-    for (int jn = 0; jn < 8; ++jn)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) o[z][jn][c] = 0.0f;
-  auto consume = [&](const KRows& kr, const VRows& vr, int chunk) {
-    const int64_t key0 = first + warp * kWarpKeys + chunk * 16;
-    float s[2][4] = {};
+    const int c0 = chunk * 16;
+    const T* kc = kp + c0 * krow;
+    const T* vc = vp + c0 * vrow;
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
-      for (int qq = 0; qq < QQ; ++qq)
-#pragma unroll
-        for (int x = 0; x < 2; ++x) {
-          const uint32_t a[4] = {qa[2 * qq + x][0], 0u, qa[2 * qq + x][1], 0u};
-          const uint32_t b0 = x ? kr[h][qq].z : kr[h][qq].x, b1 = x ? kr[h][qq].w : kr[h][qq].y;
-          mma_16816<T>(s[h], a, b0, b1);
-        }
-    float x2[4];  // base-2 logits of keys key0 + 2t, +1, + 8 + 2t, + 9 + 2t
-    float cmax = neg_inf<float>();
+      for (int qq = 0; qq < QQ; ++qq) kr[h][qq] = row16(kc + 8 * h * krow + 32 * qq, c0 + 8 * h + g < wn);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int64_t j = key0 + 2 * t + (i & 1) + (i >> 1) * 8;
-      const float logit = s[i >> 1][i & 1] * scale;
-      x2[i] = j < j_end ? logit * kLog2e : neg_inf<float>();
-      if (g < count && j < j_end) sc[g][j - first] = logit;
-      cmax = max_nan(cmax, x2[i]);
+      const int dk = (i & 1) + (i >> 1) * 8;
+#pragma unroll
+      for (int z = 0; z < Z; ++z) vr[i][z] = row16(vc + dk * vrow + 64 * z, c0 + 2 * t + dk < wn);
     }
-    const float mnew = max_nan(m, quad_max_nan(cmax));
-    const float alpha = weight2_to(m, mnew);
-    float pw[4];
+  };
+  float m0 = neg_inf<float>(), m1 = neg_inf<float>(), l0 = 0.0f, l1 = 0.0f;  // rows r0, r1; base 2
+  float o[Z][4][4];  // O^T: m-tile (z, jp)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) pw[i] = weight2_to(x2[i], mnew);
-    l = l * alpha + ((pw[0] + pw[1]) + (pw[2] + pw[3]));
-    m = mnew;
+  for (int z = 0; z < Z; ++z)
+#pragma unroll
+    for (int jp = 0; jp < 4; ++jp)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) o[z][jp][c] = 0.0f;
+  auto consume = [&](const KRows& kr, const VRows& vr, int chunk) {
+    const int c0 = chunk * 16;
+    float s[2][4] = {};  // two product chains (x = 0, 1), added after
+#pragma unroll
+    for (int qq = 0; qq < QQ; ++qq)
+#pragma unroll
+      for (int x = 0; x < 2; ++x) {
+        const uint4 &k0 = kr[0][qq], &k1 = kr[1][qq];
+        const uint32_t a[4] = {x ? k0.z : k0.x, x ? k1.z : k1.x, x ? k0.w : k0.y, x ? k1.w : k1.y};
+        mma_16816<T>(s[x], a, qb[2 * qq + x][0], qb[2 * qq + x][1]);
+      }
+    float x2[4];  // base-2 logits of (key g, row r0), (g, r1), (g + 8, r0), (g + 8, r1)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int kk = c0 + g + (i >> 1) * 8;  // in the warp's keys
+      const float logit = (s[0][i] + s[1][i]) * scale;
+      x2[i] = kk < wn ? logit * kLog2e : neg_inf<float>();
+      const int r = (i & 1) ? r1 : r0;
+      if (r < count && kk < wn) sc[r][warp * kWarpKeys + kk] = logit;
+    }
+    const float mn0 = max_nan(m0, col_max_nan(max_nan(x2[0], x2[2])));
+    const float mn1 = max_nan(m1, col_max_nan(max_nan(x2[1], x2[3])));
+    const float a0 = weight2_to(m0, mn0), a1 = weight2_to(m1, mn1);
+    const float p00 = weight2_to(x2[0], mn0), p01 = weight2_to(x2[1], mn1);
+    const float p10 = weight2_to(x2[2], mn0), p11 = weight2_to(x2[3], mn1);
+    l0 = l0 * a0 + (p00 + p10);
+    l1 = l1 * a1 + (p01 + p11);
+    m0 = mn0, m1 = mn1;
 #pragma unroll
     for (int z = 0; z < Z; ++z)
 #pragma unroll
-      for (int jn = 0; jn < 8; ++jn) o[z][jn][0] *= alpha, o[z][jn][1] *= alpha;
-    const uint32_t pa[4] = {pack2<T>(pw[0], pw[1]), 0u, pack2<T>(pw[2], pw[3]), 0u};
+      for (int jp = 0; jp < 4; ++jp) o[z][jp][0] *= a0, o[z][jp][1] *= a1, o[z][jp][2] *= a0, o[z][jp][3] *= a1;
+    const uint32_t b0 = transpose8x8_b16(pack2<T>(p00, p01)), b1 = transpose8x8_b16(pack2<T>(p10, p11));
 #pragma unroll
     for (int z = 0; z < Z; ++z)
 #pragma unroll
-      for (int jn = 0; jn < 8; ++jn) {
-        const uint32_t sel = (jn & 1) ? 0x7632u : 0x5410u;  // the high or low halves of two words
-        auto word = [&](const uint4& u) { return jn < 2 ? u.x : jn < 4 ? u.y : jn < 6 ? u.z : u.w; };
-        const uint32_t b0 = __byte_perm(word(vr[0][z]), word(vr[1][z]), sel);
-        const uint32_t b1 = __byte_perm(word(vr[2][z]), word(vr[3][z]), sel);
-        mma_16816<T>(o[z][jn], pa, b0, b1);
+      for (int jp = 0; jp < 4; ++jp) {
+        auto word = [&](const uint4& u) { return jp == 0 ? u.x : jp == 1 ? u.y : jp == 2 ? u.z : u.w; };
+        const uint32_t v0 = word(vr[0][z]), v1 = word(vr[1][z]), v2 = word(vr[2][z]), v3 = word(vr[3][z]);
+        const uint32_t a[4] = {__byte_perm(v0, v1, 0x5410u), __byte_perm(v0, v1, 0x7632u), __byte_perm(v2, v3, 0x5410u),
+                               __byte_perm(v2, v3, 0x7632u)};
+        mma_16816<T>(o[z][jp], a, b0, b1);
       }
   };
   {
@@ -506,18 +522,19 @@ __global__ void __launch_bounds__(kThreads, 2) decode_partial_tc(DevProblem p, D
       consume(kb, vb, chunk + 1);
     }
   }
-  l += __shfl_xor_sync(0xffffffffu, l, 1);
-  l += __shfl_xor_sync(0xffffffffu, l, 2);
-  if (g < count) {
-    if (t == 0) wstat[warp][g][0] = m, wstat[warp][g][1] = l;
-#pragma unroll
-    for (int z = 0; z < Z; ++z)
-#pragma unroll
-      for (int jn = 0; jn < 8; ++jn) {
-        wacc[warp][g][64 * z + 16 * t + jn] = o[z][jn][0];
-        wacc[warp][g][64 * z + 16 * t + 8 + jn] = o[z][jn][1];
-      }
+  l0 = col_sum(l0), l1 = col_sum(l1);
+  if (g == 0) {
+    if (r0 < count) wstat[warp][r0][0] = m0, wstat[warp][r0][1] = l0;
+    if (r1 < count) wstat[warp][r1][0] = m1, wstat[warp][r1][1] = l1;
   }
+#pragma unroll
+  for (int z = 0; z < Z; ++z)
+#pragma unroll
+    for (int jp = 0; jp < 4; ++jp) {
+      const int e = 64 * z + 8 * g + 2 * jp;
+      if (r0 < count) *reinterpret_cast<float2*>(&wacc[warp][r0][e]) = make_float2(o[z][jp][0], o[z][jp][2]);
+      if (r1 < count) *reinterpret_cast<float2*>(&wacc[warp][r1][e]) = make_float2(o[z][jp][1], o[z][jp][3]);
+    }
   __syncthreads();
   // The block's (m_b, l_b) and share of O over the warps, and its logits, to the workspace.
   for (int r = 0; r < count; ++r) {
@@ -537,7 +554,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_partial_tc(DevProblem p, D
       w.stats[at * 2 + 1] = lb;
     }
     float* dst = w.scores + (row0 + r) * p.S + first;
-    for (int64_t jj = threadIdx.x; jj < n; jj += kThreads) dst[jj] = sc[r][jj];
+    for (int jj = threadIdx.x; jj < n; jj += kThreads) dst[jj] = sc[r][jj];
   }
 }
 
@@ -619,6 +636,74 @@ __global__ void __launch_bounds__(kFinalizeThreads) decode_finalize(DevProblem p
   const float f = output_factor<float>(p);
   const int64_t o_at = lead_off(p, p.out, lead) + r * p.out.row;
   store_elem<float>(p.out.dtype, p.out.data, o_at + e * p.out.col, l == 0.0f ? 0.0f : o / l * f);
+}
+
+// decode_finalize's job for short rows without dropout (decode_finalize_rows_apply): one warp a
+// row. decode_finalize gives each row a CTA of 256 threads per 4096 keys, whose per-thread setup
+// (the lead's offsets, the dtype and dropout branches) dominated it on MHA decode: 25 µs for
+// 1024 rows of 2048 keys, issue-bound (bench/NOTES.md, sessions 33 and 36). Here a lane takes
+// keys lane, lane + 32, ... in batches of kRowBatch with the next batch's logits in flight while
+// one is stored, the blocks' statistics one a lane, and O's dimensions lane, lane + 32, ...
+constexpr int kRowWarps = 4;              // rows per CTA
+constexpr int kRowBatch = 16;             // logits a lane has in flight
+constexpr int64_t kRowMaxKeys = 2048;     // longer rows keep decode_finalize's split over CTAs
+constexpr int kRowMaxDims = kDecodeMaxHead / 32;
+static_assert(kRowMaxKeys / kSplitKeys <= 32, "a row's blocks' statistics are one a lane");
+template <typename T>
+__global__ void __launch_bounds__(kRowWarps * 32) decode_finalize_rows(DevProblem p, DecodeWorkspace w, int64_t rows) {
+  const int lane = threadIdx.x % 32;
+  const int64_t row = blockIdx.x * int64_t{kRowWarps} + threadIdx.x / 32;
+  if (row >= rows) return;
+  const int64_t lead = w.lead0 + row / p.L;
+  const int r = static_cast<int>(row % p.L), S = static_cast<int>(p.S), nb = static_cast<int>(w.blocks);
+  const float* st = w.stats + row * nb * 2;
+  const float* sc = w.scores + row * p.S;
+  auto load_batch = [&](float (&x)[kRowBatch], int j0) {
+#pragma unroll
+    for (int i = 0; i < kRowBatch; ++i) x[i] = j0 + 32 * i + lane < S ? __ldg(sc + j0 + 32 * i + lane) : 0.0f;
+  };
+  float cur[kRowBatch], nxt[kRowBatch];
+  load_batch(cur, 0);
+  const float mb = lane < nb ? __ldg(st + 2 * lane) : neg_inf<float>(), lb = lane < nb ? __ldg(st + 2 * lane + 1) : 0.0f;
+  float m = mb, l = lb;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1)
+    lse_combine<float>(m, l, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, l, o));
+  // O = sum_b exp(m_b - m) share_b / l, every dimension's blocks' loads issued together.
+  const float wb = weight_to(mb, m);
+  const float* part = w.partial + row * nb * p.Ev + lane;
+  float acc[kRowMaxDims] = {};
+  for (int b = 0; b < nb; ++b) {
+    const float wt = __shfl_sync(0xffffffffu, wb, b);
+#pragma unroll
+    for (int c = 0; c < kRowMaxDims; ++c)
+      if (32 * c + lane < p.Ev) acc[c] += wt * __ldg(part + b * p.Ev + 32 * c);
+  }
+  const int64_t o_at = lead_off(p, p.out, lead) + r * p.out.row;
+#pragma unroll
+  for (int c = 0; c < kRowMaxDims; ++c)
+    if (32 * c + lane < p.Ev) store_elem<float>(p.out.dtype, p.out.data, o_at + (32 * c + lane) * p.out.col, l == 0.0f ? 0.0f : acc[c] / l);
+  // Contract §6: lse -inf for a fully masked row, NaN for a NaN one; O zero, resp. NaN.
+  if (lane == 0) store_elem<float>(p.lse.dtype, p.lse.data, lead_off(p, p.lse, lead) + r * p.lse.row, lse_from_max_sum<float>(m, l));
+  T* probs = reinterpret_cast<T*>(p.probs.data) + lead_off(p, p.probs, lead) + r * p.probs.row;
+  const int64_t col = p.probs.col;
+  for (int j0 = 0; j0 < S; j0 += 32 * kRowBatch) {
+    if (j0 + 32 * kRowBatch < S) load_batch(nxt, j0 + 32 * kRowBatch);
+#pragma unroll
+    for (int i = 0; i < kRowBatch; ++i) {
+      const int j = j0 + 32 * i + lane;
+      if (j < S) {
+        const float pr = prob_from_max_sum<float>(cur[i], m, l);
+        if constexpr (std::is_same_v<T, float>) probs[j * col] = pr;
+        else probs[j * col] = from_float<T>(pr);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kRowBatch; ++i) cur[i] = nxt[i];
+  }
+}
+bool decode_finalize_rows_apply(const DevProblem& p) {
+  return p.dropout == Dropout::None && p.S <= kRowMaxKeys && p.probs.dtype == p.q.dtype;
 }
 
 // The backward for a few query rows (fp16/bf16, after delta = rowsum(A . dA) is known): per
@@ -825,25 +910,29 @@ void launch_decode(const DevProblem& p, const DecodeWorkspace& w, int64_t chunk,
   // Both grids first, so an oversized problem is refused before either kernel runs.
   const unsigned partial_grid = grid_x(ctas, "decode blocks");
   const dim3 finalize_grid(grid_x(chunk * p.L, "decode rows"), grid_yz((p.S + kFinalizeKeys - 1) / kFinalizeKeys, "decode rows"));
+  const unsigned rows_grid = grid_x((chunk * p.L + kRowWarps - 1) / kRowWarps, "decode rows");
   // One row per CTA (MHA decode proper) has kernels of its own: a quarter of the registers.
   auto go = [&](auto kernel, int rows) {
     const size_t smem = sizeof(float) * (count * DT + count * kSplitKeys + kWarps * rows * (2 + DT));
     kernel<<<partial_grid, kThreads, smem, stream>>>(p, w);
   };
-  if constexpr (!std::is_same_v<T, float> && DT <= 128) {
-    if (tensor_core_partial(p)) {
-      decode_partial_tc<T, DT, kDecodeMaxRows><<<partial_grid, kThreads, 0, stream>>>(p, w);
-      check_launch("decode blocks");
-      decode_finalize<<<finalize_grid, kFinalizeThreads, 0, stream>>>(p, w);
-      check_launch("decode rows");
-      return;
+  auto tensor_cores = [&] {
+    if constexpr (!std::is_same_v<T, float> && DT <= 128) {
+      if (tensor_core_partial(p)) {
+        decode_partial_tc<T, DT><<<partial_grid, kThreads, 0, stream>>>(p, w);
+        return true;
+      }
     }
+    return false;
+  };
+  if (!tensor_cores()) {
+    if (count == 1) plain(p) ? go(decode_partial<T, DT, 1, true>, 1) : go(decode_partial<T, DT, 1, false>, 1);
+    else if (plain(p)) go(decode_partial<T, DT, kDecodeMaxRows, true>, kDecodeMaxRows);
+    else go(decode_partial<T, DT, kDecodeMaxRows, false>, kDecodeMaxRows);
   }
-  if (count == 1) plain(p) ? go(decode_partial<T, DT, 1, true>, 1) : go(decode_partial<T, DT, 1, false>, 1);
-  else if (plain(p)) go(decode_partial<T, DT, kDecodeMaxRows, true>, kDecodeMaxRows);
-  else go(decode_partial<T, DT, kDecodeMaxRows, false>, kDecodeMaxRows);
   check_launch("decode blocks");
-  decode_finalize<<<finalize_grid, kFinalizeThreads, 0, stream>>>(p, w);
+  if (decode_finalize_rows_apply(p)) decode_finalize_rows<T><<<rows_grid, kRowWarps * 32, 0, stream>>>(p, w, chunk * p.L);
+  else decode_finalize<<<finalize_grid, kFinalizeThreads, 0, stream>>>(p, w);
   check_launch("decode rows");
 }
 

@@ -87,6 +87,25 @@ SDPA_MATH_D float quad_max_nan(float x) {
   x = max_nan(x, __shfl_xor_sync(0xffffffffu, x, 1));
   return max_nan(x, __shfl_xor_sync(0xffffffffu, x, 2));
 }
+// The sum and max_nan over the 8 lanes of one t (lanes t, t + 4, ..., t + 28), which hold one
+// column of an m16n8 accumulator (a query row of decode's transposed products).
+SDPA_MATH_D float col_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 4);
+  x += __shfl_xor_sync(0xffffffffu, x, 8);
+  return x + __shfl_xor_sync(0xffffffffu, x, 16);
+}
+SDPA_MATH_D float col_max_nan(float x) {
+  x = max_nan(x, __shfl_xor_sync(0xffffffffu, x, 4));
+  x = max_nan(x, __shfl_xor_sync(0xffffffffu, x, 8));
+  return max_nan(x, __shfl_xor_sync(0xffffffffu, x, 16));
+}
+// An 8x8 matrix of 16-bit values in fragment layout (lane 4 g + t holds row g, columns 2t and
+// 2t + 1, as one register) transposed across the warp: lane 4 g + t gets (2t, g) and (2t + 1, g).
+SDPA_MATH_D uint32_t transpose8x8_b16(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
 // A row at the end of the tensor-core forwards' first pass, from its quad's partial sums `l` of
 // exp(x - m) and its max `m` (logits in natural units, or base 2): 1/l (0 for a fully masked row,
 // NaN for a NaN row), the lse in natural units (-inf fully masked, NaN for a NaN row), and whether

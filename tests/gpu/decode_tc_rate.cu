@@ -218,6 +218,163 @@ __global__ void __launch_bounds__(kWarps * 32, MINB)
   }
 }
 
+// The transposed form: S^T = K Q^T and O^T = V^T P^T, the keys and the output dimensions as the
+// M side of m16n8k16 and the (up to 8) query rows as its N side, so no accumulator half is
+// padding. A = K straight from the lane's 16-byte loads of keys g and g + 8 (k-step 2 qq + x
+// takes dimensions 32 qq + 8 t + 4 x + {0, 1} and + {2, 3} as before); B = Q^T, the same
+// registers as the A fragments of the other form. Lane (g, t) gets the logits of keys g and g + 8
+// for rows 2t and 2t + 1; each row's max is taken over the lanes of one t (xor 4, 8, 16). P^T as
+// B of O^T = V^T P^T needs keys 2t.. for row g: movmatrix.trans turns the packed (key g, rows 2t,
+// 2t+1) words into them. A = V^T: m-tile (z, jp)'s m = g stands for dimension 64 z + 8 g + 2 jp
+// and m = g + 8 for that + 1, so a lane's 16-byte loads of keys 2t, 2t+1, 2t+8, 2t+9 pair
+// with byte permutes as before. O^T's accumulators: lane (g, t) holds rows 2t and 2t + 1, whose
+// rescale factors it computed itself. Per 16 keys: 8 + 8 mma (the other form: 16 + 16).
+__device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+__device__ __forceinline__ float col_max(float x) {  // over the 8 lanes of one t
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 8));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 16));
+}
+__device__ __forceinline__ float col_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 4);
+  x += __shfl_xor_sync(0xffffffffu, x, 8);
+  return x + __shfl_xor_sync(0xffffffffu, x, 16);
+}
+template <int R, int MINB, int SPLIT>
+__global__ void __launch_bounds__(kWarps * 32, MINB)
+    partial_tc_t(const __half* Q, const __half* K, const __half* V, float scale, int S, int blocks, float* scores,
+                 float* stats, float* partial) {
+  static_assert(R <= 8, "the N side of m16n8k16");
+  constexpr int kSplit = SPLIT, kChunks = SPLIT / kWarps / 16, kPad = 4;  // sc rows 4 floats apart: no bank conflict
+  static_assert(kChunks % 2 == 0, "the prefetching loop takes chunks in pairs");
+  __shared__ float sc[R][kSplit + kPad];
+  __shared__ float wstat[kWarps][R][2];
+  __shared__ float wacc[kWarps][R][D];
+  const int head = blockIdx.x / blocks, blk = blockIdx.x % blocks;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+  const int r0 = 2 * t, r1 = 2 * t + 1;  // this lane's rows in S^T and O^T
+  uint32_t qb[8][2];  // B = Q^T: row g's dimensions in the permuted order
+#pragma unroll
+  for (int qq = 0; qq < 4; ++qq) {
+    const uint4 u = ldg16(Q + (static_cast<size_t>(head) * R + (g < R ? g : 0)) * D + 32 * qq + 8 * t, g < R);
+    qb[2 * qq][0] = u.x, qb[2 * qq][1] = u.y, qb[2 * qq + 1][0] = u.z, qb[2 * qq + 1][1] = u.w;
+  }
+  const float scale2 = scale * kLog2e;
+  const int first = blk * kSplit, wfirst = first + warp * (kSplit / kWarps), wn = S - wfirst;  // keys left from the warp's first
+  const __half* kp = K + (static_cast<size_t>(head) * S + wfirst + g) * D + 8 * t;
+  const __half* vp = V + (static_cast<size_t>(head) * S + wfirst + 2 * t) * D + 8 * g;
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+  float o[2][4][4];
+#pragma unroll
+  for (int z = 0; z < 2; ++z)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) o[z][j][c] = 0.0f;
+  using KRows = uint4[2][4];
+  using VRows = uint4[4][2];
+  auto load = [&](KRows& kr, VRows& vr, int chunk) {
+    const int c0 = chunk * 16;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int qq = 0; qq < 4; ++qq) kr[h][qq] = ldg16(kp + (c0 + 8 * h) * D + 32 * qq, c0 + 8 * h + g < wn);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int dk = (i & 1) + (i >> 1) * 8;
+#pragma unroll
+      for (int z = 0; z < 2; ++z) vr[i][z] = ldg16(vp + (c0 + dk) * D + 64 * z, c0 + 2 * t + dk < wn);
+    }
+  };
+  auto consume = [&](const KRows& kr, const VRows& vr, int chunk) {
+    const int c0 = chunk * 16;
+    float s[2][4] = {};  // two chains (x = 0, 1), added after
+#pragma unroll
+    for (int qq = 0; qq < 4; ++qq)
+#pragma unroll
+      for (int x = 0; x < 2; ++x)
+        mma(s[x], word(kr[0][qq], 2 * x), word(kr[1][qq], 2 * x), word(kr[0][qq], 2 * x + 1), word(kr[1][qq], 2 * x + 1),
+            qb[2 * qq + x][0], qb[2 * qq + x][1]);
+    // (key g, row r0), (g, r1), (g + 8, r0), (g + 8, r1), base 2.
+    float xs[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int kk = c0 + g + (i >> 1) * 8;
+      const float logit = s[0][i] + s[1][i];
+      xs[i] = kk < wn ? logit * scale2 : -INFINITY;
+      const int r = (i & 1) ? r1 : r0;
+      if (r < R && kk < wn) sc[r][warp * (kSplit / kWarps) + kk] = logit * scale;
+    }
+    const float mn0 = fmaxf(m0, col_max(fmaxf(xs[0], xs[2]))), mn1 = fmaxf(m1, col_max(fmaxf(xs[1], xs[3])));
+    const float a0 = weight2(m0, mn0), a1 = weight2(m1, mn1);
+    const float p00 = weight2(xs[0], mn0), p01 = weight2(xs[1], mn1), p10 = weight2(xs[2], mn0), p11 = weight2(xs[3], mn1);
+    l0 = l0 * a0 + (p00 + p10);
+    l1 = l1 * a1 + (p01 + p11);
+    m0 = mn0, m1 = mn1;
+#pragma unroll
+    for (int z = 0; z < 2; ++z)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) o[z][j][0] *= a0, o[z][j][1] *= a1, o[z][j][2] *= a0, o[z][j][3] *= a1;
+    const uint32_t b0 = transpose8x8(pack_half2(p00, p01)), b1 = transpose8x8(pack_half2(p10, p11));
+#pragma unroll
+    for (int z = 0; z < 2; ++z)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t v0 = word(vr[0][z], j), v1 = word(vr[1][z], j), v2 = word(vr[2][z], j), v3 = word(vr[3][z], j);
+        mma(o[z][j], __byte_perm(v0, v1, 0x5410u), __byte_perm(v0, v1, 0x7632u), __byte_perm(v2, v3, 0x5410u),
+            __byte_perm(v2, v3, 0x7632u), b0, b1);
+      }
+  };
+  {
+    uint4 ka[2][4], va[4][2], kb[2][4], vb[4][2];
+    load(ka, va, 0);
+#pragma unroll 1
+    for (int chunk = 0; chunk < kChunks; chunk += 2) {
+      load(kb, vb, chunk + 1);
+      consume(ka, va, chunk);
+      if (chunk + 2 < kChunks) load(ka, va, chunk + 2);
+      consume(kb, vb, chunk + 1);
+    }
+  }
+  l0 = col_sum(l0), l1 = col_sum(l1);
+  if (g == 0) {
+    if (r0 < R) wstat[warp][r0][0] = m0, wstat[warp][r0][1] = l0;
+    if (r1 < R) wstat[warp][r1][0] = m1, wstat[warp][r1][1] = l1;
+  }
+#pragma unroll
+  for (int z = 0; z < 2; ++z)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int e = 64 * z + 8 * g + 2 * j;
+      if (r0 < R) *reinterpret_cast<float2*>(&wacc[warp][r0][e]) = make_float2(o[z][j][0], o[z][j][2]);
+      if (r1 < R) *reinterpret_cast<float2*>(&wacc[warp][r1][e]) = make_float2(o[z][j][1], o[z][j][3]);
+    }
+  __syncthreads();
+  const int n = min(kSplit, S - first);
+  for (int r = 0; r < R; ++r) {
+    float mb = -INFINITY;
+    for (int w = 0; w < kWarps; ++w) mb = fmaxf(mb, wstat[w][r][0]);
+    const size_t at = (static_cast<size_t>(head) * R + r) * blocks + blk;
+    for (int e = threadIdx.x; e < D; e += kWarps * 32) {
+      float acc = 0.0f;
+      for (int w = 0; w < kWarps; ++w) acc += weight2(wstat[w][r][0], mb) * wacc[w][r][e];
+      partial[at * D + e] = acc;
+    }
+    if (threadIdx.x == 0) {
+      float lb = 0.0f;
+      for (int w = 0; w < kWarps; ++w) lb += weight2(wstat[w][r][0], mb) * wstat[w][r][1];
+      stats[at * 2] = mb * (1.0f / kLog2e);
+      stats[at * 2 + 1] = lb;
+    }
+    float* dst = scores + (static_cast<size_t>(head) * R + r) * S + first;
+    for (int jj = threadIdx.x; jj < n; jj += kWarps * 32) dst[jj] = sc[r][jj];
+  }
+}
+
 // The same results in plain fp32, one CTA per (head, row, block), P not rounded.
 __global__ void partial_ref(const __half* Q, const __half* K, const __half* V, float scale, int S, int kSplit,
                             int blocks, int R, float* scores, float* stats, float* partial) {
@@ -298,7 +455,7 @@ double rel_err(const std::vector<float>& a, const std::vector<float>& b) {
   return std::sqrt(num / (den > 0 ? den : 1));
 }
 
-template <int R, int MINB, int SPLIT, bool PREFETCH>
+template <int R, int MINB, int SPLIT, bool PREFETCH, bool TRANS = false>
 void run(const char* name, int heads, int S) {
   constexpr int kSplit = SPLIT;
   const int blocks = (S + kSplit - 1) / kSplit;
@@ -320,7 +477,10 @@ void run(const char* name, int heads, int S) {
   fill<<<4096, 256>>>(k, nk, 2u, 1.0f);
   fill<<<4096, 256>>>(v, nk, 3u, 1.0f);
   const float scale = 1.0f / std::sqrt(float(D));
-  auto tc = [&] { partial_tc<R, MINB, SPLIT, PREFETCH><<<heads * blocks, kWarps * 32>>>(q, k, v, scale, S, blocks, sc[0], st[0], pa[0]); };
+  auto tc = [&] {
+    if constexpr (TRANS) partial_tc_t<R, MINB, SPLIT><<<heads * blocks, kWarps * 32>>>(q, k, v, scale, S, blocks, sc[0], st[0], pa[0]);
+    else partial_tc<R, MINB, SPLIT, PREFETCH><<<heads * blocks, kWarps * 32>>>(q, k, v, scale, S, blocks, sc[0], st[0], pa[0]);
+  };
   tc();
   CHECK(cudaGetLastError());
   partial_ref<<<heads * R * blocks, 256, SPLIT * sizeof(float)>>>(q, k, v, scale, S, SPLIT, blocks, R, sc[1], st[1], pa[1]);
@@ -336,9 +496,9 @@ void run(const char* name, int heads, int S) {
   const float t_tc = time_ms(tc, 20);
   const float t_rd = time_ms([&] { read_only<<<132 * 8, 512>>>((const uint4*)k, (const uint4*)v, nk * 2 / 16, sink); }, 20);
   const double bytes = 2.0 * nk * 2;
-  std::printf("%-28s R=%d minB=%d split=%d prefetch=%d heads=%d S=%d: tc %.4f ms (%.2f TB/s)  read-only %.4f ms (%.2f TB/s)  tc/read %.3f"
+  std::printf("%-28s %s R=%d minB=%d split=%d prefetch=%d heads=%d S=%d: tc %.4f ms (%.2f TB/s)  read-only %.4f ms (%.2f TB/s)  tc/read %.3f"
               "  err scores %.1e stats %.1e partial %.1e %s\n",
-              name, R, MINB, SPLIT, int(PREFETCH), heads, S, t_tc, bytes / t_tc / 1e9, t_rd, bytes / t_rd / 1e9, t_tc / t_rd, e_s, e_st, e_p,
+              name, TRANS ? "S^T" : "S  ", R, MINB, SPLIT, int(PREFETCH), heads, S, t_tc, bytes / t_tc / 1e9, t_rd, bytes / t_rd / 1e9, t_tc / t_rd, e_s, e_st, e_p,
               (e_s < 1e-5 && e_st < 1e-4 && e_p < 5e-3) ? "OK" : "MISMATCH");
   for (int i = 0; i < 2; ++i) cudaFree(sc[i]), cudaFree(st[i]), cudaFree(pa[i]);
   cudaFree(q), cudaFree(k), cudaFree(v), cudaFree(sink);
@@ -363,5 +523,16 @@ int main(int argc, char** argv) {
   if (want()) run<1, 2, 512, true>("ragged S=2000", 64, 2000);
   if (want()) run<3, 2, 256, true>("ragged S=777, 3 rows", 8, 777);
   if (want()) run<3, 3, 256, false>("ragged S=777, 3 rows", 8, 777);
+  // The transposed form (partial_tc_t), from index 11.
+  if (want()) run<1, 2, 512, true, true>("decode_s2k_d128 (MHA)", 1024, 2048);
+  if (want()) run<1, 3, 512, true, true>("decode_s2k_d128 (MHA)", 1024, 2048);
+  if (want()) run<1, 2, 1024, true, true>("decode_s2k_d128 (MHA)", 1024, 2048);
+  if (want()) run<1, 3, 1024, true, true>("decode_s2k_d128 (MHA)", 1024, 2048);
+  if (want()) run<4, 2, 512, true, true>("decode_s32k_d128_gqa", 16, 32768);
+  if (want()) run<4, 3, 512, true, true>("decode_s32k_d128_gqa", 16, 32768);
+  if (want()) run<8, 2, 512, true, true>("gqa 8 rows", 16, 32768);
+  if (want()) run<1, 2, 512, true, true>("ragged S=2000", 64, 2000);
+  if (want()) run<3, 2, 256, true, true>("ragged S=777, 3 rows", 8, 777);
+  if (want()) run<8, 2, 128, true, true>("ragged S=100, 8 rows", 8, 100);
   return 0;
 }

@@ -151,12 +151,15 @@ def _decode_matches_reference(case, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=ids)
 @pytest.mark.parametrize("Ev", [8, 40, 128, 256])
 @pytest.mark.parametrize("mask", ["none", "neginf_rows", "float_pad"])
-def test_decode_rows_over_many_key_blocks(dtype, Ev, mask):
-    """The decode path's last step (decode_finalize) on rows of 4796 keys: 19 key blocks whose
-    shares of O are summed by 32, 4, 2 or 1 groups of threads (Ev 8, 40, 128, 256), two chunks of
-    the row's P, a GQA group's two heads in one CTA (L = 2); a fully masked row (neginf_rows) and
-    a padding mask; against the float64 reference, with every output poisoned first."""
-    _decode_matches_reference(Case(batch=(2,), hq=4, hkv=2, L=2, S=4796, E=64, Ev=Ev, mask=mask, gqa=True), dtype)
+@pytest.mark.parametrize("S", [4796, 1500])
+def test_decode_rows_over_many_key_blocks(dtype, Ev, mask, S):
+    """The decode path's last step on rows of 4796 keys (decode_finalize: 19 key blocks whose
+    shares of O are summed by 32, 4, 2 or 1 groups of threads for Ev 8, 40, 128, 256, two chunks
+    of the row's P) and of 1500 keys (decode_finalize_rows: a warp a row, 6 blocks, three batches
+    of logits, O's dimensions one to eight a lane); a GQA group's two heads in one CTA (L = 2); a
+    fully masked row (neginf_rows) and a padding mask; against the float64 reference, with every
+    output poisoned first."""
+    _decode_matches_reference(Case(batch=(2,), hq=4, hkv=2, L=2, S=S, E=64, Ev=Ev, mask=mask, gqa=True), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=ids)
@@ -172,15 +175,39 @@ def test_decode_key_rows_of_any_row_stride(dtype, layout, hq, L):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=ids)
 @pytest.mark.parametrize("E", [64, 128])
 @pytest.mark.parametrize("layout", ["contig", "blhe", "wide_rows"])
-@pytest.mark.parametrize("hq,L,S", [(4, 1, 2048), (4, 1, 777), (8, 1, 4796), (4, 2, 1100), (2, 3, 530), (4, 1, 300)],
-                         ids=["gqa2_2048", "gqa2_777", "gqa4_4796", "gqa2x2_1100", "mha3_530", "gqa2_300"])
+@pytest.mark.parametrize("hq,L,S", [(2, 1, 2048), (2, 1, 777), (4, 1, 2048), (4, 1, 777), (8, 1, 4796), (4, 2, 1100),
+                                     (2, 3, 530), (4, 1, 300)],
+                         ids=["mha1_2048", "mha1_777", "gqa2_2048", "gqa2_777", "gqa4_4796", "gqa2x2_1100", "mha3_530",
+                              "gqa2_300"])
 def test_decode_on_tensor_cores(dtype, E, layout, hq, L, S):
-    """decode_partial_tc (fp16/bf16, E = Ev = 64 or 128, no mask, more than one row a CTA): a
+    """decode_partial_tc (fp16/bf16, E = Ev = 64 or 128, no mask): one row a CTA (MHA decode), a
     GQA group of two or four heads, 2 x 2 rows, or three rows of one head in one CTA; 512-key
     blocks full (2048), ragged (777: a block of 265 keys, warps with no key; 530), many (4796:
     10 blocks), one block (300); packed rows, the (B, S, H, E) view and rows wider than E. P and
     O against the float64 reference."""
     _decode_matches_reference(Case(batch=(2,), hq=hq, hkv=2, L=L, S=S, E=E, Ev=E, gqa=hq != 2, layout=layout), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=ids)
+@pytest.mark.parametrize("q_layout", ["offset", "sliced"])
+@pytest.mark.parametrize("hq,L", [(2, 1), (4, 2)], ids=["mha1", "gqa2x2"])
+def test_decode_on_tensor_cores_takes_queries_of_any_layout(dtype, q_layout, hq, L):
+    """decode_partial_tc reads Q's rows 16 bytes at a time where it can, else element by element:
+    a query starting one element past a 16-byte boundary (offset) or with column stride 2
+    (sliced), K and V packed; against the float64 reference."""
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, h, n, 128, generator=gen).to(dtype) for h, n in ((hq, L), (2, 1100), (2, 1100)))
+    if q_layout == "offset":
+        q_dev = torch.empty(q.numel() + 1, dtype=dtype, device="cuda")[1:].view(q.shape)
+    else:
+        q_dev = torch.empty(2, hq, L, 256, dtype=dtype, device="cuda")[..., ::2]
+    q_dev.copy_(q)
+    assert q_dev.data_ptr() % 16 != 0 or q_dev.stride(-1) != 1
+    out, probs = sdpa_math.attention(q_dev, k.cuda(), v.cuda(), enable_gqa=hq != 2)
+    ref_out, ref_probs = sdpa_math.attention(q.double(), k.double(), v.double(), enable_gqa=hq != 2)
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(probs.cpu().double(), ref_probs, rtol=rtol, atol=atol)
+    torch.testing.assert_close(out.cpu().double(), ref_out, rtol=rtol, atol=atol * 10)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=ids)
