@@ -7,10 +7,12 @@
 //      P needs the row's max and sum over all blocks), and the block's max m_b, sum of
 //      exp(s - m_b) and unnormalized share of O, sum_j exp(s_j - m_b) M_j V_j (M: the returned P's dropout
 //      factor), with K and V rows loaded together;
-//   2) decode_finalize: per row, the max and sum over blocks, the log-sum-exp, O from the
-//      blocks' shares, and P = exp(s - m) / l from the kept logits.
-// The workspace is L*S + L*blocks*(Ev + 2) floats per head; heads are taken in chunks so that it
-// stays within kWorkspaceFloats (one head's worth at least).
+//   2) decode_finalize (decode_finalize_rows for short rows without dropout): per row, the max
+//      and sum over blocks, the log-sum-exp, O from the blocks' shares, and P = exp(s - m) / l
+//      from the kept logits.
+// The workspace is L*S4 + L*blocks*(Ev + 2) floats per head (S4: S rounded up to 4, so that rows of
+// logits start 16-byte aligned); heads are taken in chunks so that it stays within
+// kWorkspaceFloats (one head's worth at least).
 // decode_partial_tc does step 1 on tensor cores for fp16/bf16 with E = Ev = 64 or 128 and no
 // mask, causal or dropout: mma.sync for K Q^T and V^T P^T, fed from registers without shared
 // memory or ldmatrix (see the kernel), in blocks of kSplitKeysTc keys.
@@ -52,10 +54,11 @@ struct Layout {
 
 // The forward's workspace for the chunk of heads [lead0, lead0 + chunk).
 struct DecodeWorkspace {
-  float* scores;   // [chunk][row][S]: the masked logits
+  float* scores;   // [chunk][row][score_row]: the masked logits
   float* stats;    // [chunk][row][block][2]: the block's max m_b and sum of exp(s - m_b)
   float* partial;  // [chunk][row][block][Ev]: the block's sum of exp(s - m_b) M V
-  int64_t blocks;  // key blocks per head
+  int64_t score_row;  // S rounded up to 4: rows of logits start 16-byte aligned
+  int64_t blocks;     // key blocks per head
   int64_t lead0;
   int64_t heads;   // heads per CTA (decode_heads_per_cta)
 };
@@ -361,7 +364,7 @@ __global__ void __launch_bounds__(kThreads, R == 1 ? 5 : (PLAIN ? 4 : 3)) decode
       w.stats[at * 2] = mb;
       w.stats[at * 2 + 1] = lb;
     }
-    float* dst = w.scores + (row0 + r) * p.S + first;
+    float* dst = w.scores + (row0 + r) * w.score_row + first;
     for (int64_t jj = threadIdx.x; jj < n; jj += kThreads) dst[jj] = sc[r * kSplitKeys + jj];
   }
 }
@@ -403,7 +406,9 @@ __global__ void __launch_bounds__(kThreads, 2) decode_partial_tc(DevProblem p, D
   __shared__ float wstat[kWarps][R][2];         // each warp's (m, l), base 2
   __shared__ float wacc[kWarps][R][DT];         // each warp's share of O
   const int count = static_cast<int>(w.heads * p.L);
-  const int64_t blk = blockIdx.x % w.blocks, first_lead = w.lead0 + blockIdx.x / w.blocks * w.heads;
+  // 32-bit: the grid is below 2^31 CTAs (grid_x), and a 64-bit division is a long call.
+  const unsigned nblocks = static_cast<unsigned>(w.blocks), blk = blockIdx.x % nblocks;
+  const int64_t first_lead = w.lead0 + static_cast<int64_t>(blockIdx.x / nblocks) * w.heads;
   const int64_t row0 = (first_lead - w.lead0) * p.L;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
   const int r0 = 2 * t, r1 = 2 * t + 1;  // this lane's rows of S^T and O^T
@@ -413,7 +418,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_partial_tc(DevProblem p, D
   {
     const int gr = g < count ? g : 0;
     const int64_t lead = first_lead + gr / p.L, r = gr % p.L;
-    const T* qrow = reinterpret_cast<const T*>(p.q.data) + lead_off(p, p.q, lead) + r * p.q.row;
+    const T* qrow = reinterpret_cast<const T*>(p.q.data) + lead_off_narrow(p, p.q, lead) + r * p.q.row;
     const bool vec = p.q.col == 1 && reinterpret_cast<uintptr_t>(qrow) % 16 == 0;
 #pragma unroll
     for (int qq = 0; qq < QQ; ++qq) {
@@ -432,12 +437,12 @@ __global__ void __launch_bounds__(kThreads, 2) decode_partial_tc(DevProblem p, D
       qb[2 * qq][0] = u.x, qb[2 * qq][1] = u.y, qb[2 * qq + 1][0] = u.z, qb[2 * qq + 1][1] = u.w;
     }
   }
-  const int64_t first = blk * kSplitKeysTc, wfirst = first + warp * kWarpKeys;
+  const int64_t first = static_cast<int64_t>(blk) * kSplitKeysTc, wfirst = first + warp * kWarpKeys;
   const int n = static_cast<int>(min(p.S - first, static_cast<int64_t>(kSplitKeysTc)));  // the block's keys
   const int wn = n - warp * kWarpKeys;  // the warp's keys (<= 0: none)
   const int64_t krow = p.k.row, vrow = p.v.row;
-  const T* kp = reinterpret_cast<const T*>(p.k.data) + lead_off(p, p.k, first_lead) + (wfirst + g) * krow + 8 * t;
-  const T* vp = reinterpret_cast<const T*>(p.v.data) + lead_off(p, p.v, first_lead) + (wfirst + 2 * t) * vrow + 8 * g;
+  const T* kp = reinterpret_cast<const T*>(p.k.data) + lead_off_narrow(p, p.k, first_lead) + (wfirst + g) * krow + 8 * t;
+  const T* vp = reinterpret_cast<const T*>(p.v.data) + lead_off_narrow(p, p.v, first_lead) + (wfirst + 2 * t) * vrow + 8 * g;
   const float scale = static_cast<float>(p.scale);
   auto row16 = [](const T* at, bool ok) {
     return ok ? __ldg(reinterpret_cast<const uint4*>(at)) : make_uint4(0u, 0u, 0u, 0u);
@@ -553,7 +558,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_partial_tc(DevProblem p, D
       w.stats[at * 2] = mb * (1.0f / kLog2e);
       w.stats[at * 2 + 1] = lb;
     }
-    float* dst = w.scores + (row0 + r) * p.S + first;
+    float* dst = w.scores + (row0 + r) * w.score_row + first;
     for (int jj = threadIdx.x; jj < n; jj += kThreads) dst[jj] = sc[r][jj];
   }
 }
@@ -575,7 +580,7 @@ __global__ void __launch_bounds__(kFinalizeThreads) decode_finalize(DevProblem p
   const int64_t row = blockIdx.x, local = row / p.L, lead = w.lead0 + local;
   const int r = static_cast<int>(row % p.L);
   const float* st = w.stats + row * w.blocks * 2;
-  const float* s = w.scores + row * p.S;
+  const float* s = w.scores + row * w.score_row;
   // This thread's logits of the chunk, loaded before the row's max and sum are known.
   const int64_t j0 = blockIdx.y * kFinalizeKeys + threadIdx.x, j_end = min(p.S, (blockIdx.y + 1) * kFinalizeKeys);
   float sv[kPerThread];
@@ -640,67 +645,105 @@ __global__ void __launch_bounds__(kFinalizeThreads) decode_finalize(DevProblem p
 
 // decode_finalize's job for short rows without dropout (decode_finalize_rows_apply): one warp a
 // row. decode_finalize gives each row a CTA of 256 threads per 4096 keys, whose per-thread setup
-// (the lead's offsets, the dtype and dropout branches) dominated it on MHA decode: 25 µs for
-// 1024 rows of 2048 keys, issue-bound (bench/NOTES.md, sessions 33 and 36). Here a lane takes
-// keys lane, lane + 32, ... in batches of kRowBatch with the next batch's logits in flight while
-// one is stored, the blocks' statistics one a lane, and O's dimensions lane, lane + 32, ...
-constexpr int kRowWarps = 4;              // rows per CTA
-constexpr int kRowBatch = 16;             // logits a lane has in flight
-constexpr int64_t kRowMaxKeys = 2048;     // longer rows keep decode_finalize's split over CTAs
-constexpr int kRowMaxDims = kDecodeMaxHead / 32;
-static_assert(kRowMaxKeys / kSplitKeys <= 32, "a row's blocks' statistics are one a lane");
+// (the lead's offsets, the dtype and dropout branches) made it issue-bound on MHA decode: 25 µs
+// for 1024 rows of 2048 keys (bench/NOTES.md, sessions 33 and 36). A warp a row has few warps in
+// all (one a row), so what counts is the instructions each issues: every load of the row goes
+// out at once, 16 bytes a lane (lane `lane` holds keys 4 lane + 128 i .. + 3, the statistics of
+// block `lane`, and O's shares of dimensions 4 lane + 128 c .. + 3 of every block), P is
+// exp(s - m) times 1 / l, stored 4 keys at a time where P's row allows.
+constexpr int kRowWarps = 4;           // rows per CTA
+constexpr int64_t kRowMaxKeys = 2048;  // longer rows keep decode_finalize's split over CTAs
+constexpr int kRowVecs = static_cast<int>(kRowMaxKeys / 128);            // groups of 4 logits a lane
+constexpr int kRowMaxBlocks = static_cast<int>(kRowMaxKeys / kSplitKeys);  // kSplitKeysTc is larger
+constexpr int kRowDimVecs = (kDecodeMaxHead + 127) / 128;                // groups of 4 dimensions a lane
+static_assert(kSplitKeysTc >= kSplitKeys && kRowMaxBlocks <= 32, "a row's blocks' statistics are one a lane");
+template <typename T>
+SDPA_MATH_D void store_probs4(T* at, int64_t col, bool vec, int valid, float4 pr) {
+  if (vec && valid == 4) {
+    if constexpr (std::is_same_v<T, float>) *reinterpret_cast<float4*>(at) = pr;
+    else *reinterpret_cast<uint2*>(at) = make_uint2(pack2<T>(pr.x, pr.y), pack2<T>(pr.z, pr.w));
+    return;
+  }
+  const float x[4] = {pr.x, pr.y, pr.z, pr.w};
+  for (int u = 0; u < valid; ++u) {
+    if constexpr (std::is_same_v<T, float>) at[u * col] = x[u];
+    else at[u * col] = from_float<T>(x[u]);
+  }
+}
 template <typename T>
 __global__ void __launch_bounds__(kRowWarps * 32) decode_finalize_rows(DevProblem p, DecodeWorkspace w, int64_t rows) {
   const int lane = threadIdx.x % 32;
   const int64_t row = blockIdx.x * int64_t{kRowWarps} + threadIdx.x / 32;
   if (row >= rows) return;
-  const int64_t lead = w.lead0 + row / p.L;
-  const int r = static_cast<int>(row % p.L), S = static_cast<int>(p.S), nb = static_cast<int>(w.blocks);
+  const int S = static_cast<int>(p.S), nb = static_cast<int>(w.blocks), Ev = static_cast<int>(p.Ev);
   const float* st = w.stats + row * nb * 2;
-  const float* sc = w.scores + row * p.S;
-  auto load_batch = [&](float (&x)[kRowBatch], int j0) {
+  const float* sc = w.scores + row * w.score_row;  // 16-byte aligned
+  const float* part = w.partial + row * nb * Ev;   // Ev is a multiple of 4 here (decode_applies): aligned
+  float4 sv[kRowVecs];
 #pragma unroll
-    for (int i = 0; i < kRowBatch; ++i) x[i] = j0 + 32 * i + lane < S ? __ldg(sc + j0 + 32 * i + lane) : 0.0f;
-  };
-  float cur[kRowBatch], nxt[kRowBatch];
-  load_batch(cur, 0);
+  for (int i = 0; i < kRowVecs; ++i) {
+    const int j = 128 * i + 4 * lane;
+    if (j + 3 < S) {
+      sv[i] = __ldg(reinterpret_cast<const float4*>(sc + j));
+    } else {  // the row's last keys (the padding of the row is never written)
+      sv[i].x = j < S ? __ldg(sc + j) : 0.0f;
+      sv[i].y = j + 1 < S ? __ldg(sc + j + 1) : 0.0f;
+      sv[i].z = j + 2 < S ? __ldg(sc + j + 2) : 0.0f;
+      sv[i].w = 0.0f;
+    }
+  }
   const float mb = lane < nb ? __ldg(st + 2 * lane) : neg_inf<float>(), lb = lane < nb ? __ldg(st + 2 * lane + 1) : 0.0f;
+  float4 pv[kRowMaxBlocks][kRowDimVecs];
+#pragma unroll
+  for (int b = 0; b < kRowMaxBlocks; ++b)
+#pragma unroll
+    for (int c = 0; c < kRowDimVecs; ++c) {
+      const int e = 128 * c + 4 * lane;
+      pv[b][c] = b < nb && e < Ev ? __ldg(reinterpret_cast<const float4*>(part + b * Ev + e)) : make_float4(0, 0, 0, 0);
+    }
   float m = mb, l = lb;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1)
     lse_combine<float>(m, l, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, l, o));
-  // O = sum_b exp(m_b - m) share_b / l, every dimension's blocks' loads issued together.
-  const float wb = weight_to(mb, m);
-  const float* part = w.partial + row * nb * p.Ev + lane;
-  float acc[kRowMaxDims] = {};
-  for (int b = 0; b < nb; ++b) {
-    const float wt = __shfl_sync(0xffffffffu, wb, b);
-#pragma unroll
-    for (int c = 0; c < kRowMaxDims; ++c)
-      if (32 * c + lane < p.Ev) acc[c] += wt * __ldg(part + b * p.Ev + 32 * c);
-  }
-  const int64_t o_at = lead_off(p, p.out, lead) + r * p.out.row;
-#pragma unroll
-  for (int c = 0; c < kRowMaxDims; ++c)
-    if (32 * c + lane < p.Ev) store_elem<float>(p.out.dtype, p.out.data, o_at + (32 * c + lane) * p.out.col, l == 0.0f ? 0.0f : acc[c] / l);
-  // Contract §6: lse -inf for a fully masked row, NaN for a NaN one; O zero, resp. NaN.
-  if (lane == 0) store_elem<float>(p.lse.dtype, p.lse.data, lead_off(p, p.lse, lead) + r * p.lse.row, lse_from_max_sum<float>(m, l));
-  T* probs = reinterpret_cast<T*>(p.probs.data) + lead_off(p, p.probs, lead) + r * p.probs.row;
+  const int64_t lead = w.lead0 + row / p.L;
+  const int r = static_cast<int>(row % p.L);
+  T* probs = reinterpret_cast<T*>(p.probs.data) + lead_off_narrow(p, p.probs, lead) + r * p.probs.row;
   const int64_t col = p.probs.col;
-  for (int j0 = 0; j0 < S; j0 += 32 * kRowBatch) {
-    if (j0 + 32 * kRowBatch < S) load_batch(nxt, j0 + 32 * kRowBatch);
+  const bool vec = col == 1 && reinterpret_cast<uintptr_t>(probs) % (4 * sizeof(T)) == 0;
+  const float inv_l = inv_row_sum(l);
 #pragma unroll
-    for (int i = 0; i < kRowBatch; ++i) {
-      const int j = j0 + 32 * i + lane;
-      if (j < S) {
-        const float pr = prob_from_max_sum<float>(cur[i], m, l);
-        if constexpr (std::is_same_v<T, float>) probs[j * col] = pr;
-        else probs[j * col] = from_float<T>(pr);
-      }
+  for (int i = 0; i < kRowVecs; ++i) {
+    const int j = 128 * i + 4 * lane;
+    if (j < S) {
+      const float4 pr = make_float4(prob_from_max_inv_sum(sv[i].x, m, inv_l), prob_from_max_inv_sum(sv[i].y, m, inv_l),
+                                    prob_from_max_inv_sum(sv[i].z, m, inv_l), prob_from_max_inv_sum(sv[i].w, m, inv_l));
+      store_probs4<T>(probs + j * col, col, vec, min(4, S - j), pr);
     }
-#pragma unroll
-    for (int i = 0; i < kRowBatch; ++i) cur[i] = nxt[i];
   }
+  // O = sum_b exp(m_b - m) share_b / l; contract §6: lse -inf for a fully masked row, NaN for a
+  // NaN one; O zero, resp. NaN.
+  const float wb = weight_to(mb, m);
+  float4 acc[kRowDimVecs] = {};
+#pragma unroll
+  for (int b = 0; b < kRowMaxBlocks; ++b) {
+    const float wt = b < nb ? __shfl_sync(0xffffffffu, wb, b) : 0.0f;
+#pragma unroll
+    for (int c = 0; c < kRowDimVecs; ++c)
+      acc[c] = make_float4(acc[c].x + wt * pv[b][c].x, acc[c].y + wt * pv[b][c].y, acc[c].z + wt * pv[b][c].z,
+                           acc[c].w + wt * pv[b][c].w);
+  }
+  const int64_t o_at = lead_off_narrow(p, p.out, lead) + r * p.out.row;
+#pragma unroll
+  for (int c = 0; c < kRowDimVecs; ++c) {
+    const int e = 128 * c + 4 * lane;
+    if (e < Ev) {
+      const float x[4] = {acc[c].x, acc[c].y, acc[c].z, acc[c].w};
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        store_elem<float>(p.out.dtype, p.out.data, o_at + (e + u) * p.out.col, l == 0.0f ? 0.0f : x[u] / l);
+    }
+  }
+  if (lane == 0) store_elem<float>(p.lse.dtype, p.lse.data, lead_off_narrow(p, p.lse, lead) + r * p.lse.row, lse_from_max_sum<float>(m, l));
 }
 bool decode_finalize_rows_apply(const DevProblem& p) {
   return p.dropout == Dropout::None && p.S <= kRowMaxKeys && p.probs.dtype == p.q.dtype;
@@ -945,9 +988,10 @@ void launch_for_head(const DevProblem& p, const DecodeWorkspace& w, int64_t chun
 }
 
 // Workspace floats of one head, and how many heads one pass takes.
+int64_t score_row(const DevProblem& p) { return (p.S + 3) / 4 * 4; }
 int64_t workspace_per_lead(const DevProblem& p) {
   const int64_t blocks = (p.S + split_keys(p) - 1) / split_keys(p);
-  return p.L * p.S + p.L * blocks * (p.Ev + 2);
+  return p.L * score_row(p) + p.L * blocks * (p.Ev + 2);
 }
 int64_t leads_per_pass(const DevProblem& p) {
   const int64_t heads = decode_heads_per_cta(p);  // whole groups: num_lead is a multiple of it
@@ -1026,7 +1070,8 @@ void decode_forward(const DevProblem& p, float* workspace, cudaStream_t stream) 
     const int64_t chunk = std::min(chunk_max, p.num_lead - lead0);
     DecodeWorkspace w;
     w.scores = workspace;
-    w.stats = w.scores + chunk * p.L * p.S;
+    w.score_row = score_row(p);
+    w.stats = w.scores + chunk * p.L * w.score_row;
     w.partial = w.stats + chunk * p.L * blocks * 2;
     w.blocks = blocks;
     w.lead0 = lead0;

@@ -49,11 +49,26 @@ struct DevProblem {
 
 // The device twin of core::unravel (src/core/validate.cpp): the offset of lead index `lead`.
 // Host code may call it too (the fp32 path checks its layouts with it), as output_factor.
+// NARROW divides in 32 bits where the index and the extent fit (every real shape; a 64-bit
+// division is a long call on the GPU): lead_off_narrow, for the decode kernels, whose warps each
+// compute a few offsets and little else. The tile kernels keep the 64-bit form: with the 32-bit
+// one their spills moved (the Hopper forward's by -116 to +8 bytes, the head-256 tile forward's
+// by +48) and the 1.5-2 % their rows moved in that run (bench/NOTES.md, session 36) was not
+// told apart from machine variance.
+template <bool NARROW = false>
 SDPA_MATH_HD int64_t unravel(const DevProblem& p, const int64_t* strides, int64_t group, int64_t lead) {
   int64_t off = 0;
   for (int d = p.lead_ndim - 1; d >= 0; --d) {
-    int64_t c = lead % p.lead_shape[d];
-    lead /= p.lead_shape[d];
+    const int64_t n = p.lead_shape[d];
+    int64_t c;
+    if (NARROW && ((lead | n) >> 31) == 0) {
+      const uint32_t l32 = static_cast<uint32_t>(lead), n32 = static_cast<uint32_t>(n);
+      c = l32 % n32;
+      lead = l32 / n32;
+    } else {
+      c = lead % n;
+      lead /= n;
+    }
     if (d == p.lead_ndim - 1) c /= group;
     off += c * strides[d];
   }
@@ -61,6 +76,9 @@ SDPA_MATH_HD int64_t unravel(const DevProblem& p, const int64_t* strides, int64_
 }
 SDPA_MATH_HD int64_t lead_off(const DevProblem& p, const DevOperand& op, int64_t lead) {
   return unravel(p, op.lead, op.head_group, lead);
+}
+SDPA_MATH_HD int64_t lead_off_narrow(const DevProblem& p, const DevOperand& op, int64_t lead) {
+  return unravel<true>(p, op.lead, op.head_group, lead);
 }
 SDPA_MATH_D int64_t dense_lead_off(const DevProblem& p, const DevOperand& op, int64_t lead) {
   return unravel(p, op.dense_lead, op.head_group, lead);
@@ -122,6 +140,12 @@ SDPA_MATH_D Acc prob_from_max_sum(Acc logit, Acc m, Acc l) {
   if (l == Acc(0)) return Acc(0);
   if constexpr (sizeof(Acc) == 8) return exp(logit - m) / l;
   else return __expf(logit - m) / l;
+}
+// The same with the row's 1 / l taken once (kernels that write a whole row): inv_l from
+// inv_row_sum, 0 for a fully masked row (whose P is zeros) and NaN for a NaN row.
+SDPA_MATH_D float inv_row_sum(float l) { return l == 0.0f ? 0.0f : 1.0f / l; }
+SDPA_MATH_D float prob_from_max_inv_sum(float logit, float m, float inv_l) {
+  return inv_l == 0.0f ? 0.0f : __expf(logit - m) * inv_l;
 }
 
 // P at a key the row does not attend to, for kernels that never form its logit (causal-hidden
