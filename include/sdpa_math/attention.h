@@ -104,7 +104,8 @@ struct StatsOutputs {
 // (the binding passes PyTorch's current stream and caching allocator). Ignored by CPU backends.
 struct CudaExecution {
   void* stream = nullptr;                         // a cudaStream_t; nullptr = the default stream
-  std::function<void*(std::size_t)> allocate;     // empty = cudaMallocAsync on the stream
+  std::function<void*(std::size_t)> allocate;     // empty = cudaMallocAsync on the stream; else it must
+                                                  // return memory aligned to 16 bytes (an Error otherwise)
   std::function<void(void*)> release;
 };
 

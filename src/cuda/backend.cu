@@ -82,9 +82,18 @@ class Scratch {
   T* uninitialized(int64_t n) {
     if (n <= 0) return nullptr;
     void* ptr = nullptr;
-    if (ex_.allocate) ptr = ex_.allocate(sizeof(T) * static_cast<size_t>(n));
-    else check_cuda(cudaMallocAsync(&ptr, sizeof(T) * static_cast<size_t>(n), stream_), "allocating CUDA scratch memory");
-    blocks_.push_back(ptr);
+    if (ex_.allocate) {
+      ptr = ex_.allocate(sizeof(T) * static_cast<size_t>(n));
+      if (ptr) blocks_.push_back(ptr);  // released by the destructor, also when refused below
+      // Kernels read scratch 16 bytes at a time (decode's workspace, for one).
+      if (ptr == nullptr || reinterpret_cast<uintptr_t>(ptr) % 16 != 0)
+        throw Error(ErrorCode::CudaFailure, "CudaExecution::allocate returned " +
+                                                std::string(ptr ? "memory not aligned to 16 bytes" : "no memory") +
+                                                " for " + std::to_string(sizeof(T) * static_cast<size_t>(n)) + " bytes of scratch");
+    } else {
+      check_cuda(cudaMallocAsync(&ptr, sizeof(T) * static_cast<size_t>(n), stream_), "allocating CUDA scratch memory");
+      blocks_.push_back(ptr);
+    }
     return static_cast<T*>(ptr);
   }
   template <typename T>

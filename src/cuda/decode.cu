@@ -404,7 +404,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_partial_tc(DevProblem p, D
   constexpr float kLog2e = 1.4426950408889634f;
   __shared__ float sc[R][kSplitKeysTc + kPad];  // the block's logits (natural units)
   __shared__ float wstat[kWarps][R][2];         // each warp's (m, l), base 2
-  __shared__ float wacc[kWarps][R][DT];         // each warp's share of O
+  __shared__ __align__(16) float wacc[kWarps][R][DT];  // each warp's share of O (float2 stores)
   const int count = static_cast<int>(w.heads * p.L);
   // 32-bit: the grid is below 2^31 CTAs (grid_x), and a 64-bit division is a long call.
   const unsigned nblocks = static_cast<unsigned>(w.blocks), blk = blockIdx.x % nblocks;
@@ -678,7 +678,7 @@ __global__ void __launch_bounds__(kRowWarps * 32) decode_finalize_rows(DevProble
   const int S = static_cast<int>(p.S), nb = static_cast<int>(w.blocks), Ev = static_cast<int>(p.Ev);
   const float* st = w.stats + row * nb * 2;
   const float* sc = w.scores + row * w.score_row;  // 16-byte aligned
-  const float* part = w.partial + row * nb * Ev;   // Ev is a multiple of 4 here (decode_applies): aligned
+  const float* part = w.partial + row * nb * Ev;   // aligned: see decode_forward's workspace layout
   float4 sv[kRowVecs];
 #pragma unroll
   for (int i = 0; i < kRowVecs; ++i) {
@@ -954,7 +954,7 @@ void launch_decode(const DevProblem& p, const DecodeWorkspace& w, int64_t chunk,
   const unsigned partial_grid = grid_x(ctas, "decode blocks");
   const dim3 finalize_grid(grid_x(chunk * p.L, "decode rows"), grid_yz((p.S + kFinalizeKeys - 1) / kFinalizeKeys, "decode rows"));
   const unsigned rows_grid = grid_x((chunk * p.L + kRowWarps - 1) / kRowWarps, "decode rows");
-  // One row per CTA (MHA decode proper) has kernels of its own: a quarter of the registers.
+  // decode_partial: one row per CTA has kernels of its own (a quarter of the registers).
   auto go = [&](auto kernel, int rows) {
     const size_t smem = sizeof(float) * (count * DT + count * kSplitKeys + kWarps * rows * (2 + DT));
     kernel<<<partial_grid, kThreads, smem, stream>>>(p, w);
@@ -1070,9 +1070,12 @@ void decode_forward(const DevProblem& p, float* workspace, cudaStream_t stream) 
     const int64_t chunk = std::min(chunk_max, p.num_lead - lead0);
     DecodeWorkspace w;
     w.scores = workspace;
+    // Logits, then the shares of O, then the statistics: rows of both of the first two are
+    // multiples of 4 floats (score_row; Ev, as decode_applies asks), so decode_finalize_rows's
+    // 16-byte loads of either are aligned whatever the number of rows and blocks.
     w.score_row = score_row(p);
-    w.stats = w.scores + chunk * p.L * w.score_row;
-    w.partial = w.stats + chunk * p.L * blocks * 2;
+    w.partial = w.scores + chunk * p.L * w.score_row;
+    w.stats = w.partial + chunk * p.L * blocks * p.Ev;
     w.blocks = blocks;
     w.lead0 = lead0;
     w.heads = decode_heads_per_cta(p);

@@ -155,11 +155,22 @@ def _decode_matches_reference(case, dtype):
 def test_decode_rows_over_many_key_blocks(dtype, Ev, mask, S):
     """The decode path's last step on rows of 4796 keys (decode_finalize: 19 key blocks whose
     shares of O are summed by 32, 4, 2 or 1 groups of threads for Ev 8, 40, 128, 256, two chunks
-    of the row's P) and of 1500 keys (decode_finalize_rows: a warp a row, 6 blocks, three batches
-    of logits, O's dimensions one to eight a lane); a GQA group's two heads in one CTA (L = 2); a
-    fully masked row (neginf_rows) and a padding mask; against the float64 reference, with every
-    output poisoned first."""
+    of the row's P) and of 1500 keys (decode_finalize_rows: a warp a row, 6 blocks, 4 logits a
+    lane per 128 keys, O's dimensions 4 or 8 a lane, for Ev 8 on two lanes only); a GQA group's
+    two heads in one CTA (L = 2); a fully masked row (neginf_rows) and a padding mask; against the
+    float64 reference, with every output poisoned first."""
     _decode_matches_reference(Case(batch=(2,), hq=4, hkv=2, L=2, S=S, E=64, Ev=Ev, mask=mask, gqa=True), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=ids)
+@pytest.mark.parametrize("L,S,Ev", [(1, 300, 128), (3, 300, 128), (1, 1100, 64), (3, 530, 40), (1, 101, 8)])
+def test_decode_workspace_of_odd_row_and_block_counts(dtype, L, S, Ev):
+    """One head (B = H = 1): an odd number of rows times key blocks, so the decode workspace's
+    per-block statistics take an odd number of pairs; decode_finalize_rows reads the logits and
+    the shares of O 16 bytes at a time and must find both aligned (the shares once came after the
+    statistics, and were not, for these shapes). Tensor-core and CUDA-core first steps, a tail of
+    the row past the last group of 4 keys (530, 101); against the float64 reference."""
+    _decode_matches_reference(Case(batch=(1,), hq=1, hkv=1, L=L, S=S, E=Ev if Ev >= 64 else 64, Ev=Ev), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=ids)
@@ -216,7 +227,7 @@ def test_decode_on_tensor_cores_keeps_nan_and_inf_rows(dtype):
     softmax does; a +inf logit's row is NaN too (inf - inf), a -inf logit is a key of weight 0
     in an otherwise finite row; the other rows match the reference."""
     gen = torch.Generator().manual_seed(3)
-    q = torch.randn(2, 4, 2, 128, generator=gen).to(dtype)  # two rows a head: the tensor-core kernel
+    q = torch.randn(2, 4, 2, 128, generator=gen).to(dtype)  # no mask, head 128: the tensor-core kernel
     k = torch.randn(2, 4, 1100, 128, generator=gen).to(dtype)
     v = torch.randn(2, 4, 1100, 128, generator=gen).to(dtype)
     k[0, 1, 700, 5] = float("nan")
