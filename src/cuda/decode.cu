@@ -231,8 +231,9 @@ SDPA_MATH_D void key_logits(const DevProblem& p, const float* q, const RowInfo (
 // CTAs per SM: five for one row; four for up to four rows (L > 1, or a GQA group's heads)
 // without the mask, causal and dropout branches, at 128 registers and no spill (their time is
 // their instruction stream and its latencies: 3 CTAs took 0.167 ms on decode_s32k_d128_gqa, 4
-// take 0.142, bench/NOTES.md session 33); three for the four-row kernels with those branches,
-// which spill at 128.
+// take 0.142, bench/NOTES.md session 33 — that shape now runs decode_partial_tc; these kernels
+// keep fp32, head 256, Ev != E and PLAIN with SDPA_MATH_DECODE_TC=0); three for the four-row
+// kernels with those branches, which spill at 128.
 template <typename T, int DT, int R, bool PLAIN>
 __global__ void __launch_bounds__(kThreads, R == 1 ? 5 : (PLAIN ? 4 : 3)) decode_partial(DevProblem p, DecodeWorkspace w) {
   using Lay = Layout<T, DT>;

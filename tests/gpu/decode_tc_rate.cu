@@ -1,4 +1,4 @@
-// A measuring tool for decode on tensor cores (bench/NOTES.md, session 35): how fast can one pass
+// A measuring tool for decode on tensor cores (bench/NOTES.md, sessions 35 and 36): how fast can one pass
 // over K and V run when the dot products and the update of O are mma.sync m16n8k16 instead of
 // 80 CUDA-core instructions a key (decode_partial, ncu v135)? A standalone prototype of
 // decode_partial's job for fp16, head size 128, no mask, causal or dropout: per (key head, block
@@ -17,6 +17,8 @@
 // 2t+9 of a 16-key chunk, 8 dimensions each, and pairs them with byte permutes; the output
 // dimensions are permuted too (n = g stands for dimension 64 z + 8 g + j of n-tile (z, j)), which
 // only changes where each lane writes O. No shared memory for K and V, no ldmatrix.
+// partial_tc_t (session 36) takes the products transposed, K Q^T and V^T P^T, as the package's
+// decode_partial_tc does: configurations from index 11 on.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -63,6 +65,32 @@ __device__ __forceinline__ uint4 ldg16(const __half* p, bool ok) {
 }
 // 2^(x - m) with 0 for x = -inf (also when m = -inf).
 __device__ __forceinline__ float weight2(float x, float m) { return x == -INFINITY ? 0.0f : ex2(x - m); }
+
+// The end of both kernels, after the warps' (m, l), shares of O and the block's logits are in
+// shared memory: the block's max m_b (natural units), sum l_b and share of O over the warps, and
+// its n logits, to global memory.
+template <int R, int SC_ROW>
+__device__ void write_block(const float (*sc)[SC_ROW], const float (*wstat)[R][2], const float (*wacc)[R][D], int head,
+                            int blk, int blocks, int S, int n, int first, float* scores, float* stats, float* partial) {
+  for (int r = 0; r < R; ++r) {
+    float mb = -INFINITY;
+    for (int w = 0; w < kWarps; ++w) mb = fmaxf(mb, wstat[w][r][0]);
+    const size_t at = (static_cast<size_t>(head) * R + r) * blocks + blk;
+    for (int e = threadIdx.x; e < D; e += kWarps * 32) {
+      float acc = 0.0f;
+      for (int w = 0; w < kWarps; ++w) acc += weight2(wstat[w][r][0], mb) * wacc[w][r][e];
+      partial[at * D + e] = acc;
+    }
+    if (threadIdx.x == 0) {
+      float lb = 0.0f;
+      for (int w = 0; w < kWarps; ++w) lb += weight2(wstat[w][r][0], mb) * wstat[w][r][1];
+      stats[at * 2] = mb * (1.0f / kLog2e);
+      stats[at * 2 + 1] = lb;
+    }
+    float* dst = scores + (static_cast<size_t>(head) * R + r) * S + first;
+    for (int jj = threadIdx.x; jj < n; jj += kWarps * 32) dst[jj] = sc[r][jj];
+  }
+}
 
 // Q: [heads][R][D], K, V: [heads][S][D]; scores [heads][R][S]; stats [heads][R][blocks][2] (m_b
 // in natural units, l_b); partial [heads][R][blocks][D].
@@ -197,25 +225,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB)
       }
   }
   __syncthreads();
-  const int n = min(kSplit, S - first);
-  for (int r = 0; r < R; ++r) {
-    float mb = -INFINITY;
-    for (int w = 0; w < kWarps; ++w) mb = fmaxf(mb, wstat[w][r][0]);
-    const size_t at = (static_cast<size_t>(head) * R + r) * blocks + blk;
-    for (int e = threadIdx.x; e < D; e += kWarps * 32) {
-      float acc = 0.0f;
-      for (int w = 0; w < kWarps; ++w) acc += weight2(wstat[w][r][0], mb) * wacc[w][r][e];
-      partial[at * D + e] = acc;
-    }
-    if (threadIdx.x == 0) {
-      float lb = 0.0f;
-      for (int w = 0; w < kWarps; ++w) lb += weight2(wstat[w][r][0], mb) * wstat[w][r][1];
-      stats[at * 2] = mb * (1.0f / kLog2e);
-      stats[at * 2 + 1] = lb;
-    }
-    float* dst = scores + (static_cast<size_t>(head) * R + r) * S + first;
-    for (int jj = threadIdx.x; jj < n; jj += kWarps * 32) dst[jj] = sc[r][jj];
-  }
+  write_block<R>(sc, wstat, wacc, head, blk, blocks, S, min(kSplit, S - first), first, scores, stats, partial);
 }
 
 // The transposed form: S^T = K Q^T and O^T = V^T P^T, the keys and the output dimensions as the
@@ -354,25 +364,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB)
       if (r1 < R) *reinterpret_cast<float2*>(&wacc[warp][r1][e]) = make_float2(o[z][j][1], o[z][j][3]);
     }
   __syncthreads();
-  const int n = min(kSplit, S - first);
-  for (int r = 0; r < R; ++r) {
-    float mb = -INFINITY;
-    for (int w = 0; w < kWarps; ++w) mb = fmaxf(mb, wstat[w][r][0]);
-    const size_t at = (static_cast<size_t>(head) * R + r) * blocks + blk;
-    for (int e = threadIdx.x; e < D; e += kWarps * 32) {
-      float acc = 0.0f;
-      for (int w = 0; w < kWarps; ++w) acc += weight2(wstat[w][r][0], mb) * wacc[w][r][e];
-      partial[at * D + e] = acc;
-    }
-    if (threadIdx.x == 0) {
-      float lb = 0.0f;
-      for (int w = 0; w < kWarps; ++w) lb += weight2(wstat[w][r][0], mb) * wstat[w][r][1];
-      stats[at * 2] = mb * (1.0f / kLog2e);
-      stats[at * 2 + 1] = lb;
-    }
-    float* dst = scores + (static_cast<size_t>(head) * R + r) * S + first;
-    for (int jj = threadIdx.x; jj < n; jj += kWarps * 32) dst[jj] = sc[r][jj];
-  }
+  write_block<R>(sc, wstat, wacc, head, blk, blocks, S, min(kSplit, S - first), first, scores, stats, partial);
 }
 
 // The same results in plain fp32, one CTA per (head, row, block), P not rounded.
