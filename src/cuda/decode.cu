@@ -428,11 +428,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_partial_tc(DevProblem p, D
         if (vec) {
           u = __ldg(reinterpret_cast<const uint4*>(qrow + 32 * qq + 8 * t));
         } else {
-          uint16_t h[8];
-#pragma unroll
-          for (int i = 0; i < 8; ++i) memcpy(&h[i], qrow + (32 * qq + 8 * t + i) * p.q.col, 2);
-          u = make_uint4(h[0] | (uint32_t{h[1]} << 16), h[2] | (uint32_t{h[3]} << 16), h[4] | (uint32_t{h[5]} << 16),
-                         h[6] | (uint32_t{h[7]} << 16));
+          auto at = [&](int i) { return reinterpret_cast<const uint16_t*>(qrow + (32 * qq + 8 * t + i) * p.q.col); };
+          u = make_uint4(pack_raw(at(0), at(1)), pack_raw(at(2), at(3)), pack_raw(at(4), at(5)), pack_raw(at(6), at(7)));
         }
       }
       qb[2 * qq][0] = u.x, qb[2 * qq][1] = u.y, qb[2 * qq + 1][0] = u.z, qb[2 * qq + 1][1] = u.w;
