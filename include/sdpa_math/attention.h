@@ -116,10 +116,11 @@ ForwardShapes forward_shapes(const ForwardArgs& args);
 void forward(Backend backend, const ForwardArgs& args, const ForwardOutputs& out, const CudaExecution& cuda = {});
 void backward(Backend backend, const BackwardArgs& args, const BackwardOutputs& out, const CudaExecution& cuda = {});
 // Validates like forward (and refuses dropout), then computes O, lse and the statistics asked
-// for. The Reference and CPU backends take every problem; CUDA has a kernel for Hopper GPUs
-// (fp16/bf16 inputs as its forward takes them, fp32 col_sum and row_entropy, rows in the inputs'
-// dtype) and raises BackendUnavailable for anything else (the Python package computes those
-// statistics from chunks of P instead).
+// for. The Reference and CPU backends take every problem; CUDA has kernels for up to 4 query
+// rows on any GPU (the decode forward's: fp16, bf16 and fp32 inputs, K and V read once) and for
+// Hopper GPUs (fp16/bf16 inputs as its forward takes them, fp32 col_sum and row_entropy, rows in
+// the inputs' dtype) and raises BackendUnavailable for anything else (the Python package
+// computes those statistics from chunks of P instead).
 void forward_stats(Backend backend, const ForwardArgs& args, const StatsOutputs& out, const CudaExecution& cuda = {});
 // Whether forward_stats has a kernel for these inputs, with the statistics asked for in outputs
 // as a caller allocates them fresh (contiguous; float32 statistics, float64 for float64 inputs;

@@ -3,11 +3,13 @@
 Two ways, the same statistics to rounding (docs/statistics.md). Column sums, row entropy and
 chosen rows with no gradient wanted come from one fused operator (torch.ops.sdpa_math.forward_stats)
 that reduces P on chip or in cache and never writes it: on the CPU for every input
-(src/cpu/stats.cpp, extra memory O(B·H·(L + S))), on CUDA where its Hopper kernel takes the
-inputs (src/cuda/sm90/forward_sm90.cu: fp16/bf16 as the Hopper forward takes them; extra memory
-4·B·H·⌈L/64⌉·S bytes for the column sums, at most 64 MiB at a time: a head that needs more
-goes to the chunks). On CUDA, rows alone (fp16/bf16, no mask, no gradient, a window of at most a
-quarter of the rows) takes O from PyTorch's fused kernel and forms only the window's rows, as the
+(src/cpu/stats.cpp, extra memory O(B·H·(L + S))), on CUDA where its kernels take the inputs:
+up to 4 query rows (decode) on the decode kernels of any GPU (src/cuda/decode.cu: fp16, bf16 and
+fp32, K and V read once; the logits of at most 64 MiB of heads at a time in a workspace), more
+rows on the Hopper kernel (src/cuda/sm90/forward_sm90.cu: fp16/bf16 as the Hopper forward takes
+them; extra memory 4·B·H·⌈L/64⌉·S bytes for the column sums, at most 64 MiB at a time: a head
+that needs more goes to the chunks). On CUDA, rows alone of more than 4 query rows (fp16/bf16, no
+mask, no gradient, a window of at most a quarter of the rows) takes O from PyTorch's fused kernel and forms only the window's rows, as the
 softmax of their fp32 logits (_rows_alone). Everything else runs sdpa_math.attention on chunks of
 query rows, reduces each chunk's P to the statistics asked for, and drops it. With gradients, each chunk runs under
 torch.utils.checkpoint (use_reentrant=False), so the graph keeps the chunk's inputs (views of
@@ -352,7 +354,7 @@ def _ref_product_view(r, k, enable_gqa):
 def _kl_fused_applies(q, k, v, m, ref, is_causal, scale, enable_gqa, lead):
     """How kl_to runs whole on the CUDA kernels (_KLFused), or None where it does not: fp16/bf16 on
     CUDA, no mask, the reference in the inputs' dtype and not itself differentiated, the
-    statistics kernel takes the inputs (O and lse without P), the Hopper backward's KL form takes
+    statistics kernels take the inputs (O and lse without P), the Hopper backward's KL form takes
     the layout (torch.ops.sdpa_math.kl_backward_has_kernel, asked with placeholder rows), and the
     forward's rows have a route: "kl_forward" (its kernel, with 128 query rows or more and a
     layout TMA can address) or "r_k" (r K and kl_rows, for a layout r K needs no copy of). Not
@@ -434,15 +436,22 @@ def _rows_alone_applies(q, k, v, m, is_causal, scale, enable_gqa, col_sum, row_e
                         tracked, count, S) -> bool:
     """Whether `rows` alone takes _rows_alone: nothing else asked, no gradient, no mask, fp16/bf16
     CUDA inputs that one of PyTorch's fused kernels takes (it gives O), at least one key, and a
-    window of at most a quarter of the query rows, or at most 4 query rows in all. The window's
-    cost grows with its rows, the statistics kernel's with all rows: tail100_d64's 64 of 100 rows
-    took 0.101 ms this way against the kernel's 0.065; every anchor with a window of 1/16 of the
-    rows or less ran faster, and decode (1 row, where the kernel fills one row of its 128-row
-    tiles) 0.565 -> 0.396 ms (run s24-v79; 0.401 in v81)."""
+    window of at most a quarter of the query rows. The window's cost grows with its rows, the
+    statistics kernel's with all rows: tail100_d64's 64 of 100 rows took 0.101 ms this way against
+    the kernel's 0.065; every anchor with a window of 1/16 of the rows or less ran faster. Up to 4
+    query rows (decode) take the decode kernels' statistics (one pass over K and V) where they
+    apply, this route only where they do not: decode_s2k_d128 took 0.396 ms this way (run s24-v79),
+    against 0.565 on the Hopper statistics kernel then."""
     L = q.shape[-2]
-    return (col_sum is None and not row_entropy and not head_mean and kl_to is None and m is None and not tracked
-            and 0 < count and (4 * count <= L or L <= 4) and S > 0 and q.dtype in (torch.float16, torch.bfloat16)
-            and _pytorch_fused_choice(q, k, v, is_causal, scale, enable_gqa) != 0)
+    if not (col_sum is None and not row_entropy and not head_mean and kl_to is None and m is None and not tracked
+            and 0 < count and S > 0 and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
+        return False
+    if L <= 4:
+        if ops.forward_stats_has_kernel(q, k, v, None, is_causal, scale, enable_gqa, False, False, count):
+            return False
+    elif 4 * count > L:
+        return False
+    return _pytorch_fused_choice(q, k, v, is_causal, scale, enable_gqa) != 0
 
 
 def _rows_alone(q, k, v, is_causal, scale, enable_gqa, win):
@@ -691,7 +700,7 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                                                     enable_gqa, col_sum, row_entropy, head_mean,
                                                                     kl_to, use_checkpoint, count, S):
         return _rows_alone(query, key, value, is_causal, scale, enable_gqa, win)
-    # The CPU operator takes every input; on CUDA, ask whether the Hopper kernel takes these.
+    # The CPU operator takes every input; on CUDA, ask whether a kernel (decode's, Hopper's) takes these.
     fused_applies = (not use_checkpoint and not head_mean and kl_to is None
                      and (col_sum is not None or row_entropy or win is not None) and method != "chunks"
                      and (query.device.type == "cpu"
@@ -699,7 +708,7 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                                           col_sum is not None, row_entropy, count)))
     if method == "fused" and not fused_applies:
         raise ValueError("attention_stats: method='fused' takes col_sum, row_entropy and rows with no gradient wanted, "
-                         "of CPU inputs or of CUDA inputs its Hopper kernel takes (torch.ops.sdpa_math."
+                         "of CPU inputs or of CUDA inputs its kernels take (torch.ops.sdpa_math."
                          "forward_stats_has_kernel), and kl_to alone on CUDA inputs the Hopper kernels take (fp16/bf16, "
                          "no mask, the reference in the inputs' dtype: torch.ops.sdpa_math.kl_backward_has_kernel); "
                          "use method='auto' for the chunked composition elsewhere")

@@ -233,10 +233,9 @@ void forward(const core::Problem& p, const ForwardOutputs& out, const CudaExecut
   else generic_forward<float>(dp, stream);
 }
 
-#ifdef SDPA_MATH_WITH_SM90
 namespace {
-sm90::StatsTargets stats_targets(const core::Problem& p, const StatsOutputs& out) {
-  sm90::StatsTargets t;
+StatsTargets stats_targets(const core::Problem& p, const StatsOutputs& out) {
+  StatsTargets t;
   if (out.col_sum) t.col_sum = output_to_device(p, *out.col_sum, false);
   if (out.row_entropy) t.entropy = output_to_device(p, *out.row_entropy, false);
   if (out.rows) {
@@ -248,38 +247,40 @@ sm90::StatsTargets stats_targets(const core::Problem& p, const StatsOutputs& out
   return t;
 }
 }  // namespace
-#endif
 
+// The statistics paths in order of preference, as forward's: decode (any GPU), then Hopper's.
 bool stats_kernel_applies(const core::Problem& p, const StatsOutputs& out) {
-#ifdef SDPA_MATH_WITH_SM90
   DeviceGuard guard(p.device.index);
   DevProblem dp = to_device(p);
   dp.out = output_to_device(p, out.output, true);
   dp.lse = output_to_device(p, out.logsumexp, false);
+  if (decode_stats_applies(dp, stats_targets(p, out))) return true;
+#ifdef SDPA_MATH_WITH_SM90
   return sm90::stats_applies(dp, stats_targets(p, out));
 #else
-  (void)p;
-  (void)out;
   return false;
 #endif
 }
 
 void forward_stats(const core::Problem& p, const StatsOutputs& out, const CudaExecution& ex) {
-#ifdef SDPA_MATH_WITH_SM90
   DeviceGuard guard(p.device.index);
   auto stream = static_cast<cudaStream_t>(ex.stream);
   DevProblem dp = to_device(p);
   dp.out = output_to_device(p, out.output, true);
   dp.lse = output_to_device(p, out.logsumexp, false);
-  const sm90::StatsTargets t = stats_targets(p, out);
+  const StatsTargets t = stats_targets(p, out);
+  if (decode_stats_applies(dp, t)) {  // up to 4 query rows: the decode kernels, P not written
+    Scratch scratch(ex, stream);
+    decode_forward(dp, scratch.uninitialized<float>(decode_workspace_floats(dp)), stream, &t);
+    return;
+  }
+#ifdef SDPA_MATH_WITH_SM90
   // The cheap conditions here; whether TMA can address the inputs, forward_stats finds out as it
   // encodes the maps it runs with (false: nothing launched).
   if (sm90::stats_conditions(dp, t)) {
     Scratch scratch(ex, stream);
     if (sm90::forward_stats(dp, t, scratch.uninitialized<float>(sm90::stats_workspace_floats(dp, t)), stream)) return;
   }
-#else
-  (void)ex;
 #endif
   throw Error(ErrorCode::BackendUnavailable, std::string("attention statistics without P: no CUDA kernel takes this problem ") +
                                                  stats_kernel_requirements + " (sdpa_math.stats.attention_stats computes them "

@@ -9,13 +9,16 @@ namespace sdpa_math::cuda {
 
 void forward(const core::Problem& p, const ForwardOutputs& out, const CudaExecution& ex);
 void backward(const core::Problem& p, const BackwardArgs& args, const BackwardOutputs& out, const CudaExecution& ex);
-// Statistics of P without writing it: the Hopper kernel (sm90/forward_sm90.cu, STATS); throws
-// BackendUnavailable, before anything is written, for a problem no kernel takes.
+// Statistics of P without writing it: up to 4 query rows on the decode kernels (decode.cu, any
+// GPU), more on the Hopper kernel (sm90/forward_sm90.cu, STATS); throws BackendUnavailable,
+// before anything is written, for a problem no kernel takes.
 void forward_stats(const core::Problem& p, const StatsOutputs& out, const CudaExecution& ex);
 bool stats_kernel_applies(const core::Problem& p, const StatsOutputs& out);
-// What the statistics kernel takes, for error messages.
+// What the statistics kernels take, for error messages.
 inline constexpr const char* stats_kernel_requirements =
-    "(it needs a Hopper GPU (compute capability 9.0) and a build with its kernels; float16 or bfloat16 inputs "
+    "(up to 4 query rows: float16, bfloat16 or float32 inputs, head sizes up to 256, k and v with unit column "
+    "stride and 16-byte aligned rows; more rows: a Hopper GPU (compute capability 9.0) and a build with its "
+    "kernels; float16 or bfloat16 inputs "
     "without dropout; head sizes E and Ev that are multiples of 8, up to 128, both at most 64 or both above; "
     "q, k and v with unit column stride and 16-byte aligned strides; a mask that is bool, float32 or the "
     "inputs' dtype with even row strides; float32 statistics; rows in the inputs' dtype with an even key count)";

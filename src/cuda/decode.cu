@@ -57,6 +57,7 @@ struct DecodeWorkspace {
   float* scores;   // [chunk][row][score_row]: the masked logits
   float* stats;    // [chunk][row][block][2]: the block's max m_b and sum of exp(s - m_b)
   float* partial;  // [chunk][row][block][Ev]: the block's sum of exp(s - m_b) M V
+  float* ent_part;  // [chunk][row][stats chunks + 1]: decode_stats's entropy sums of a row, then its l
   int64_t score_row;  // S rounded up to 4: rows of logits start 16-byte aligned
   int64_t blocks;     // key blocks per head
   int64_t lead0;
@@ -580,6 +581,7 @@ __global__ void __launch_bounds__(kFinalizeThreads) decode_finalize(DevProblem p
   const float* st = w.stats + row * w.blocks * 2;
   const float* s = w.scores + row * w.score_row;
   // This thread's logits of the chunk, loaded before the row's max and sum are known.
+  // (No P wanted, forward_stats: one chunk a row, O and lse only; no key is stored.)
   const int64_t j0 = blockIdx.y * kFinalizeKeys + threadIdx.x, j_end = min(p.S, (blockIdx.y + 1) * kFinalizeKeys);
   float sv[kPerThread];
 #pragma unroll
@@ -602,11 +604,12 @@ __global__ void __launch_bounds__(kFinalizeThreads) decode_finalize(DevProblem p
 
   const int64_t d_at = p.dmask.data ? lead_off(p, p.dmask, lead) : 0;
   const int64_t p_at = lead_off(p, p.probs, lead) + r * p.probs.row;
+  const float inv_l = inv_row_sum(l);  // P = exp(s - m) * (1 / l): as decode_finalize_rows and decode_stats
 #pragma unroll
   for (int i = 0; i < kPerThread; ++i) {
     const int64_t j = j0 + i * kFinalizeThreads;
-    if (j >= j_end) break;
-    const float pr = returned_prob<float>(p, prob_from_max_sum<float>(sv[i], m, l), keep_of<float>(p, d_at, lead, r, j));
+    if (j >= j_end || !p.probs.data) break;
+    const float pr = returned_prob<float>(p, prob_from_max_inv_sum(sv[i], m, inv_l), keep_of<float>(p, d_at, lead, r, j));
     store_elem<float>(p.probs.dtype, p.probs.data, p_at + j * p.probs.col, pr);
   }
   if (blockIdx.y != 0) return;
@@ -705,14 +708,15 @@ __global__ void __launch_bounds__(kRowWarps * 32) decode_finalize_rows(DevProble
     lse_combine<float>(m, l, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, l, o));
   const int64_t lead = w.lead0 + row / p.L;
   const int r = static_cast<int>(row % p.L);
-  T* probs = reinterpret_cast<T*>(p.probs.data) + lead_off_narrow(p, p.probs, lead) + r * p.probs.row;
+  T* probs = p.probs.data ? reinterpret_cast<T*>(p.probs.data) + lead_off_narrow(p, p.probs, lead) + r * p.probs.row
+                         : nullptr;  // forward_stats: O and lse only
   const int64_t col = p.probs.col;
   const bool vec = col == 1 && reinterpret_cast<uintptr_t>(probs) % (4 * sizeof(T)) == 0;
   const float inv_l = inv_row_sum(l);
 #pragma unroll
   for (int i = 0; i < kRowVecs; ++i) {
     const int j = 128 * i + 4 * lane;
-    if (j < S) {
+    if (probs && j < S) {
       const float4 pr = make_float4(prob_from_max_inv_sum(sv[i].x, m, inv_l), prob_from_max_inv_sum(sv[i].y, m, inv_l),
                                     prob_from_max_inv_sum(sv[i].z, m, inv_l), prob_from_max_inv_sum(sv[i].w, m, inv_l));
       store_probs4<T>(probs + j * col, col, vec, min(4, S - j), pr);
@@ -744,7 +748,153 @@ __global__ void __launch_bounds__(kRowWarps * 32) decode_finalize_rows(DevProble
   if (lane == 0) store_elem<float>(p.lse.dtype, p.lse.data, lead_off_narrow(p, p.lse, lead) + r * p.lse.row, lse_from_max_sum<float>(m, l));
 }
 bool decode_finalize_rows_apply(const DevProblem& p) {
-  return p.dropout == Dropout::None && p.S <= kRowMaxKeys && p.probs.dtype == p.q.dtype;
+  return p.dropout == Dropout::None && p.S <= kRowMaxKeys && (!p.probs.data || p.probs.dtype == p.q.dtype);
+}
+
+// forward_stats's statistics for decode (StatsTargets, attention.h's definitions), after the
+// finalize has written O and lse (P not written). A CTA takes kStatsKeys keys of every row of one
+// head (the column sums add over the head's L rows: a CTA holds them all, so no atomics), forms
+// P from the kept logits as decode_finalize_rows forms it, exp(s - m) * (1 / l), and reduces it:
+//   col_sum_j = sum_r P_rj, stored 16 bytes at a time where the output allows;
+//   entropy_r = -sum_j P log P = log l + sum_j P_rj (m - s_rj), every term >= 0 (the Hopper
+//     statistics kernel's form); 0 for a fully masked row (l = 0), NaN for a NaN row. A row of
+//     several CTAs leaves each CTA's sum in w.ent_part, which decode_entropy adds up in order
+//     (deterministic, as the column sums);
+//   the window's rows of P, stored as they are formed.
+// The logits are in natural units (decode_partial_tc stores them so too). Every load of a thread
+// goes out before the rows' max and sum are known; small CTAs (128 threads) so that a whole MHA
+// decode (1024 heads) is resident at once: the first form, a CTA of 256 threads a head with the
+// loads after the statistics, took 0.044 ms there (bench/NOTES.md, session 37).
+constexpr int kStatsThreads = 128;
+constexpr int64_t kStatsKeys = 2048;                                       // keys of a CTA
+constexpr int kStatsVecs = static_cast<int>(kStatsKeys / (4 * kStatsThreads));  // groups of 4 keys a thread
+template <int R>  // rows a head at most: 1 (MHA decode: a quarter of the registers) or kDecodeMaxRows
+__global__ void __launch_bounds__(kStatsThreads) decode_stats(DevProblem p, DecodeWorkspace w, StatsTargets t) {
+  constexpr int kStatsWarps = kStatsThreads / 32;
+  __shared__ float red[kStatsWarps][R][2];
+  __shared__ float row_m[R], row_l[R];
+  const int L = static_cast<int>(p.L), lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t local = blockIdx.x, lead = w.lead0 + local, S = p.S;
+  const int64_t k0 = blockIdx.y * kStatsKeys;
+  // This thread's logits: keys k0 + 4 (threadIdx.x + i kStatsThreads) .. + 3 of each row.
+  float4 sv[kStatsVecs][R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const float* sc = w.scores + (local * L + (r < L ? r : 0)) * w.score_row;  // 16-byte aligned rows
+#pragma unroll
+    for (int i = 0; i < kStatsVecs; ++i) {
+      const int64_t j = k0 + 4 * (threadIdx.x + i * kStatsThreads);
+      if (r < L && j + 3 < S) {
+        sv[i][r] = __ldg(reinterpret_cast<const float4*>(sc + j));
+      } else {  // the row's last keys (its padding is never written), and rows past L
+        sv[i][r].x = r < L && j < S ? __ldg(sc + j) : 0.0f;
+        sv[i][r].y = r < L && j + 1 < S ? __ldg(sc + j + 1) : 0.0f;
+        sv[i][r].z = r < L && j + 2 < S ? __ldg(sc + j + 2) : 0.0f;
+        sv[i][r].w = 0.0f;
+      }
+    }
+  }
+  // Each row's max and sum over its blocks.
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    if (r >= L) break;
+    const float* st = w.stats + (local * L + r) * w.blocks * 2;
+    float m = neg_inf<float>(), l = 0.0f;
+    for (int64_t b = threadIdx.x; b < w.blocks; b += kStatsThreads) lse_combine<float>(m, l, __ldg(st + 2 * b), __ldg(st + 2 * b + 1));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+      lse_combine<float>(m, l, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, l, o));
+    if (lane == 0) red[warp][r][0] = m, red[warp][r][1] = l;
+  }
+  __syncthreads();
+  if (threadIdx.x < L) {
+    float m = neg_inf<float>(), l = 0.0f;
+    for (int x = 0; x < kStatsWarps; ++x) lse_combine<float>(m, l, red[x][threadIdx.x][0], red[x][threadIdx.x][1]);
+    row_m[threadIdx.x] = m, row_l[threadIdx.x] = l;
+  }
+  __syncthreads();
+  float m[R], inv_l[R], ent[R];
+  int64_t win_at[R];  // the row's offset in the window, -1 outside it
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    m[r] = r < L ? row_m[r] : 0.0f;
+    inv_l[r] = r < L ? inv_row_sum(row_l[r]) : 0.0f;
+    ent[r] = 0.0f;
+    const int64_t k = r - t.rows_first;
+    win_at[r] = t.rows.data && r < L && k >= 0 && k % t.rows_step == 0 && k / t.rows_step < t.rows_count
+                    ? lead_off(p, t.rows, lead) + k / t.rows_step * t.rows.row
+                    : -1;
+  }
+  float* cols = t.col_sum.data ? reinterpret_cast<float*>(t.col_sum.data) + lead_off(p, t.col_sum, lead) : nullptr;
+#pragma unroll
+  for (int i = 0; i < kStatsVecs; ++i) {
+    const int64_t j = k0 + 4 * (threadIdx.x + i * kStatsThreads);
+    if (j >= S) break;
+    const int valid = S - j < 4 ? static_cast<int>(S - j) : 4;
+    float4 col = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (r >= L) break;
+      const float4 x = sv[i][r];
+      const float4 pr = make_float4(prob_from_max_inv_sum(x.x, m[r], inv_l[r]), prob_from_max_inv_sum(x.y, m[r], inv_l[r]),
+                                    prob_from_max_inv_sum(x.z, m[r], inv_l[r]), prob_from_max_inv_sum(x.w, m[r], inv_l[r]));
+      col = make_float4(col.x + pr.x, col.y + pr.y, col.z + pr.z, col.w + pr.w);
+      // A hidden key (x = -inf, P = 0) adds 0, not 0 * inf; keys past S have P = exp(0 - m) / l
+      // and are left out.
+      auto term = [&](float q, float xv, bool in) { return in && q != 0.0f ? q * (m[r] - xv) : 0.0f; };
+      ent[r] += term(pr.x, x.x, true) + term(pr.y, x.y, valid > 1) + term(pr.z, x.z, valid > 2) + term(pr.w, x.w, valid > 3);
+      if (win_at[r] >= 0) {
+        const float pv[4] = {pr.x, pr.y, pr.z, pr.w};
+        for (int u = 0; u < valid; ++u) store_elem<float>(t.rows.dtype, t.rows.data, win_at[r] + (j + u) * t.rows.col, pv[u]);
+      }
+    }
+    if (cols) {
+      float* at = cols + j * t.col_sum.row;
+      if (valid == 4 && t.col_sum.row == 1 && reinterpret_cast<uintptr_t>(at) % 16 == 0) {
+        *reinterpret_cast<float4*>(at) = col;
+      } else {
+        const float cv[4] = {col.x, col.y, col.z, col.w};
+        for (int u = 0; u < valid; ++u) at[u * t.col_sum.row] = cv[u];
+      }
+    }
+  }
+  if (!t.entropy.data) return;
+  __syncthreads();  // red is reused
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    if (r >= L) break;
+    float e = ent[r];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) e += __shfl_xor_sync(0xffffffffu, e, o);
+    if (lane == 0) red[warp][r][0] = e;
+  }
+  __syncthreads();
+  if (threadIdx.x < L) {
+    float e = 0.0f;
+    for (int x = 0; x < kStatsWarps; ++x) e += red[x][threadIdx.x][0];
+    const float l = row_l[threadIdx.x];
+    if (gridDim.y == 1) {
+      const float entropy = l > 0.0f ? logf(l) + e : l == 0.0f ? 0.0f : l;  // l NaN: a NaN row
+      reinterpret_cast<float*>(t.entropy.data)[lead_off(p, t.entropy, lead) + threadIdx.x * t.entropy.row] = entropy;
+    } else {  // the row's chunk sums, then its l at the end: decode_entropy adds them up
+      float* part = w.ent_part + (local * L + threadIdx.x) * (gridDim.y + 1);
+      part[blockIdx.y] = e;
+      if (blockIdx.y == 0) part[gridDim.y] = l;
+    }
+  }
+}
+
+// The entropy of rows that decode_stats split over several CTAs: a thread a row.
+__global__ void decode_entropy(DevProblem p, DecodeWorkspace w, StatsTargets t, int64_t rows, int chunks) {
+  const int64_t row = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (row >= rows) return;
+  const float* part = w.ent_part + row * (chunks + 1);
+  float e = 0.0f;
+  for (int c = 0; c < chunks; ++c) e += part[c];
+  const float l = part[chunks];
+  const float entropy = l > 0.0f ? logf(l) + e : l == 0.0f ? 0.0f : l;
+  const int64_t lead = w.lead0 + row / p.L, r = row % p.L;
+  reinterpret_cast<float*>(t.entropy.data)[lead_off(p, t.entropy, lead) + r * t.entropy.row] = entropy;
 }
 
 // The backward for a few query rows (fp16/bf16, after delta = rowsum(A . dA) is known): per
@@ -946,12 +1096,17 @@ __global__ void __launch_bounds__(kThreads, R == 1 ? 5 : 3) decode_backward(DevP
 }
 
 template <typename T, int DT>
-void launch_decode(const DevProblem& p, const DecodeWorkspace& w, int64_t chunk, cudaStream_t stream) {
+void launch_decode(const DevProblem& p, const DecodeWorkspace& w, int64_t chunk, const StatsTargets* stats,
+                   cudaStream_t stream) {
   const int64_t ctas = chunk / w.heads * w.blocks, count = w.heads * p.L;
-  // Both grids first, so an oversized problem is refused before either kernel runs.
+  // Every grid first, so an oversized problem is refused before any kernel runs.
   const unsigned partial_grid = grid_x(ctas, "decode blocks");
-  const dim3 finalize_grid(grid_x(chunk * p.L, "decode rows"), grid_yz((p.S + kFinalizeKeys - 1) / kFinalizeKeys, "decode rows"));
+  const int64_t p_chunks = p.probs.data ? (p.S + kFinalizeKeys - 1) / kFinalizeKeys : 1;
+  const dim3 finalize_grid(grid_x(chunk * p.L, "decode rows"), grid_yz(p_chunks, "decode rows"));
   const unsigned rows_grid = grid_x((chunk * p.L + kRowWarps - 1) / kRowWarps, "decode rows");
+  const int stats_chunks = static_cast<int>((p.S + kStatsKeys - 1) / kStatsKeys);
+  const dim3 stats_grid(grid_x(chunk, "decode statistics"), grid_yz(stats_chunks, "decode statistics"));
+  const unsigned entropy_grid = grid_x((chunk * p.L + 127) / 128, "decode statistics");
   // decode_partial: one row per CTA has kernels of its own (a quarter of the registers).
   auto go = [&](auto kernel, int rows) {
     const size_t smem = sizeof(float) * (count * DT + count * kSplitKeys + kWarps * rows * (2 + DT));
@@ -975,21 +1130,29 @@ void launch_decode(const DevProblem& p, const DecodeWorkspace& w, int64_t chunk,
   if (decode_finalize_rows_apply(p)) decode_finalize_rows<T><<<rows_grid, kRowWarps * 32, 0, stream>>>(p, w, chunk * p.L);
   else decode_finalize<<<finalize_grid, kFinalizeThreads, 0, stream>>>(p, w);
   check_launch("decode rows");
+  if (stats) {
+    if (p.L == 1) decode_stats<1><<<stats_grid, kStatsThreads, 0, stream>>>(p, w, *stats);
+    else decode_stats<kDecodeMaxRows><<<stats_grid, kStatsThreads, 0, stream>>>(p, w, *stats);
+    if (stats->entropy.data && stats_chunks > 1)
+      decode_entropy<<<entropy_grid, 128, 0, stream>>>(p, w, *stats, chunk * p.L, stats_chunks);
+    check_launch("decode statistics");
+  }
 }
 
 template <typename T>
-void launch_for_head(const DevProblem& p, const DecodeWorkspace& w, int64_t chunk, cudaStream_t stream) {
+void launch_for_head(const DevProblem& p, const DecodeWorkspace& w, int64_t chunk, const StatsTargets* stats,
+                     cudaStream_t stream) {
   const int64_t head = p.E > p.Ev ? p.E : p.Ev;
-  if (head <= 64) launch_decode<T, 64>(p, w, chunk, stream);
-  else if (head <= 128) launch_decode<T, 128>(p, w, chunk, stream);
-  else launch_decode<T, 256>(p, w, chunk, stream);
+  if (head <= 64) launch_decode<T, 64>(p, w, chunk, stats, stream);
+  else if (head <= 128) launch_decode<T, 128>(p, w, chunk, stats, stream);
+  else launch_decode<T, 256>(p, w, chunk, stats, stream);
 }
 
 // Workspace floats of one head, and how many heads one pass takes.
 int64_t score_row(const DevProblem& p) { return (p.S + 3) / 4 * 4; }
 int64_t workspace_per_lead(const DevProblem& p) {
-  const int64_t blocks = (p.S + split_keys(p) - 1) / split_keys(p);
-  return p.L * score_row(p) + p.L * blocks * (p.Ev + 2);
+  const int64_t blocks = (p.S + split_keys(p) - 1) / split_keys(p), stats_chunks = (p.S + kStatsKeys - 1) / kStatsKeys;
+  return p.L * score_row(p) + p.L * blocks * (p.Ev + 2) + p.L * (stats_chunks + 1);
 }
 int64_t leads_per_pass(const DevProblem& p) {
   const int64_t heads = decode_heads_per_cta(p);  // whole groups: num_lead is a multiple of it
@@ -1010,6 +1173,12 @@ bool decode_applies(const DevProblem& p) {
   // Rows of K and V move 16 bytes per lane: unit column stride, aligned rows.
   const int vec = 16 / elem;
   return rows_vectorizable(p.k, p.lead_ndim, p.E, elem, vec) && rows_vectorizable(p.v, p.lead_ndim, p.Ev, elem, vec);
+}
+
+bool decode_stats_applies(const DevProblem& p, const StatsTargets& t) {
+  const bool fp32 = (!t.col_sum.data || t.col_sum.dtype == DType::Float32) &&
+                    (!t.entropy.data || t.entropy.dtype == DType::Float32);
+  return fp32 && decode_applies(p) && p.dropout == Dropout::None;
 }
 
 bool decode_backward_applies(const DevProblem& p) {
@@ -1062,7 +1231,7 @@ void decode_backward_run(const DevProblem& p, const BackwardBuffers<float>& g, c
 
 int64_t decode_workspace_floats(const DevProblem& p) { return leads_per_pass(p) * workspace_per_lead(p); }
 
-void decode_forward(const DevProblem& p, float* workspace, cudaStream_t stream) {
+void decode_forward(const DevProblem& p, float* workspace, cudaStream_t stream, const StatsTargets* stats) {
   const int64_t chunk_max = leads_per_pass(p), blocks = (p.S + split_keys(p) - 1) / split_keys(p);
   for (int64_t lead0 = 0; lead0 < p.num_lead; lead0 += chunk_max) {
     const int64_t chunk = std::min(chunk_max, p.num_lead - lead0);
@@ -1074,13 +1243,14 @@ void decode_forward(const DevProblem& p, float* workspace, cudaStream_t stream) 
     w.score_row = score_row(p);
     w.partial = w.scores + chunk * p.L * w.score_row;
     w.stats = w.partial + chunk * p.L * blocks * p.Ev;
+    w.ent_part = w.stats + chunk * p.L * blocks * 2;
     w.blocks = blocks;
     w.lead0 = lead0;
     w.heads = decode_heads_per_cta(p);
     switch (p.q.dtype) {
-      case DType::Float16: launch_for_head<__half>(p, w, chunk, stream); break;
-      case DType::BFloat16: launch_for_head<__nv_bfloat16>(p, w, chunk, stream); break;
-      default: launch_for_head<float>(p, w, chunk, stream); break;
+      case DType::Float16: launch_for_head<__half>(p, w, chunk, stats, stream); break;
+      case DType::BFloat16: launch_for_head<__nv_bfloat16>(p, w, chunk, stats, stream); break;
+      default: launch_for_head<float>(p, w, chunk, stats, stream); break;
     }
   }
 }

@@ -17,8 +17,14 @@ bool decode_applies(const DevProblem& p);
 // Floats of the workspace decode_forward needs (uninitialized): the logits and per-block sums of
 // as many heads at a time as fit in 64 MiB, one head at least.
 int64_t decode_workspace_floats(const DevProblem& p);
-// O, P and lse into p.out, p.probs, p.lse, each key row of K and V read once.
-void decode_forward(const DevProblem& p, float* workspace, cudaStream_t stream);
+// O, P and lse into p.out, p.probs, p.lse, each key row of K and V read once. With stats
+// (forward_stats), P is not written (p.probs.data nullptr) and the statistics asked for in
+// *stats are reduced from the kept logits instead.
+void decode_forward(const DevProblem& p, float* workspace, cudaStream_t stream, const StatsTargets* stats = nullptr);
+// Whether decode_forward takes forward_stats's problem: decode_applies and no dropout (the
+// statistics are the dropout-free map's); column sums and entropy in fp32 (any strides), rows in
+// any floating dtype and layout.
+bool decode_stats_applies(const DevProblem& p, const StatsTargets& t);
 
 // The backward of the same problems in fp16/bf16, once g.delta holds rowsum(A . dA): dQ (and
 // the mask gradient) added to g's accumulators, dK and dV stored into g.dk_out / g.dv_out or

@@ -45,6 +45,15 @@ struct DevProblem {
   const uint64_t* rng = nullptr;  // when set, seed and offset in device memory (AttentionOptions::rng_device)
 };
 
+// Where forward_stats writes the statistics of P (attention.h, StatsOutputs), with the output
+// operands' strides (data nullptr: not wanted): column sums (*lead, S) and row entropy (*lead, L),
+// and P's rows rows_first + k * rows_step, k < rows_count (*lead, rows_count, S). The Hopper
+// statistics kernel (sm90/forward_sm90.cu) and the decode kernels (decode.cu) both take it.
+struct StatsTargets {
+  DevOperand col_sum, entropy, rows;
+  int64_t rows_first = 0, rows_step = 1, rows_count = 0;
+};
+
 #define SDPA_MATH_D __device__ __forceinline__
 
 // The device twin of core::unravel (src/core/validate.cpp): the offset of lead index `lead`.

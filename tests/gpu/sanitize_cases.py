@@ -57,7 +57,7 @@ def run(dtype, B, Hq, Hkv, L, S, E, Ev, causal=False, mask=None, dropout=0.0, tr
 def stats(dtype, B, Hq, Hkv, L, S, E, Ev, causal=False, mask=False, rows=None, cols=True, entropy=True):
     """The Hopper statistics kernel (column sums, entropy, a rows window) and its column pass;
     without column sums (cols=False), its one-pass CTAs; rows alone (cols=False, entropy=False, a
-    short window), the softmax_rows kernel."""
+    short window), the softmax_rows kernel. Up to 4 rows (L <= 4): the decode kernels."""
     gen = torch.Generator(device="cuda").manual_seed(L * 1000 + S + 1)
     q, k, v = (torch.randn(B, h, n, e, device="cuda", dtype=dtype, generator=gen)
                for h, n, e in ((Hq, L, E), (Hkv, S, E), (Hkv, S, Ev)))
@@ -95,6 +95,11 @@ def decode_cases(dtype):
     run(dtype, 1, 4, 2, 2, 270, 16, 16, mask="bool")          # GQA, 2 heads x 2 rows
     run(dtype, 2, 4, 2, 1, 777, 64, 40, blhe=True)            # rows H * E apart
     run(dtype, 1, 2, 2, 1, 1100, 128, 128, blhe=True)
+    # the statistics on the decode kernels (decode_stats after the finalize without P)
+    stats(dtype, 2, 2, 2, 3, 77, 64, 64, rows=slice(1, None))
+    stats(dtype, 2, 8, 2, 1, 600, 128, 128)                   # GQA, tensor cores
+    stats(dtype, 1, 2, 2, 4, 300, 64, 64, causal=True, rows=slice(0, None, 2))
+    stats(dtype, 1, 4, 4, 2, 5000, 64, 64, mask=True, cols=False)  # decode_finalize, 20 blocks
 
 
 def main():

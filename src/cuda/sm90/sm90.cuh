@@ -26,13 +26,8 @@ int64_t forward_workspace_words(const DevProblem& p);
 bool forward(const DevProblem& p, uint32_t* workspace, cudaStream_t stream);
 
 // Statistics of P without writing it (the forward kernel's STATS form): O and lse as the
-// forward, and any of these (data nullptr: not wanted), all with the output operands' strides:
-// column sums and row entropy in fp32; P's rows rows_first + k * rows_step, k < rows_count, in
-// the inputs' dtype with pair-aligned rows.
-struct StatsTargets {
-  DevOperand col_sum, entropy, rows;
-  int64_t rows_first = 0, rows_step = 1, rows_count = 0;
-};
+// forward, and the StatsTargets asked for (device_problem.cuh): column sums and row entropy in
+// fp32; P's rows in the inputs' dtype with pair-aligned rows.
 // The inputs as forward_applies asks, the targets as above, and, with column sums, one head's
 // partial rows within the 64 MiB workspace budget (L x S up to about 2^30): every condition but
 // the TMA unit's reach, which forward_stats checks itself (it encodes the maps anyway).
