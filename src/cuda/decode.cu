@@ -1104,9 +1104,13 @@ void launch_decode(const DevProblem& p, const DecodeWorkspace& w, int64_t chunk,
   const int64_t p_chunks = p.probs.data ? (p.S + kFinalizeKeys - 1) / kFinalizeKeys : 1;
   const dim3 finalize_grid(grid_x(chunk * p.L, "decode rows"), grid_yz(p_chunks, "decode rows"));
   const unsigned rows_grid = grid_x((chunk * p.L + kRowWarps - 1) / kRowWarps, "decode rows");
+  // The statistics' grids only when asked (the plain forward keeps its own limits on S);
+  // decode_stats_applies keeps their key chunks within the grid's second dimension.
+  const bool any_stats = stats && (stats->col_sum.data || stats->entropy.data || stats->rows.data);
   const int stats_chunks = static_cast<int>((p.S + kStatsKeys - 1) / kStatsKeys);
-  const dim3 stats_grid(grid_x(chunk, "decode statistics"), grid_yz(stats_chunks, "decode statistics"));
-  const unsigned entropy_grid = grid_x((chunk * p.L + 127) / 128, "decode statistics");
+  const dim3 stats_grid = any_stats ? dim3(grid_x(chunk, "decode statistics"), grid_yz(stats_chunks, "decode statistics"))
+                                    : dim3(1);
+  const unsigned entropy_grid = any_stats ? grid_x((chunk * p.L + 127) / 128, "decode statistics") : 1;
   // decode_partial: one row per CTA has kernels of its own (a quarter of the registers).
   auto go = [&](auto kernel, int rows) {
     const size_t smem = sizeof(float) * (count * DT + count * kSplitKeys + kWarps * rows * (2 + DT));
@@ -1130,7 +1134,7 @@ void launch_decode(const DevProblem& p, const DecodeWorkspace& w, int64_t chunk,
   if (decode_finalize_rows_apply(p)) decode_finalize_rows<T><<<rows_grid, kRowWarps * 32, 0, stream>>>(p, w, chunk * p.L);
   else decode_finalize<<<finalize_grid, kFinalizeThreads, 0, stream>>>(p, w);
   check_launch("decode rows");
-  if (stats) {
+  if (any_stats) {
     if (p.L == 1) decode_stats<1><<<stats_grid, kStatsThreads, 0, stream>>>(p, w, *stats);
     else decode_stats<kDecodeMaxRows><<<stats_grid, kStatsThreads, 0, stream>>>(p, w, *stats);
     if (stats->entropy.data && stats_chunks > 1)
@@ -1178,7 +1182,7 @@ bool decode_applies(const DevProblem& p) {
 bool decode_stats_applies(const DevProblem& p, const StatsTargets& t) {
   const bool fp32 = (!t.col_sum.data || t.col_sum.dtype == DType::Float32) &&
                     (!t.entropy.data || t.entropy.dtype == DType::Float32);
-  return fp32 && decode_applies(p) && p.dropout == Dropout::None;
+  return fp32 && decode_applies(p) && p.dropout == Dropout::None && (p.S + kStatsKeys - 1) / kStatsKeys <= 65535;
 }
 
 bool decode_backward_applies(const DevProblem& p) {

@@ -23,7 +23,7 @@ int64_t decode_workspace_floats(const DevProblem& p);
 void decode_forward(const DevProblem& p, float* workspace, cudaStream_t stream, const StatsTargets* stats = nullptr);
 // Whether decode_forward takes forward_stats's problem: decode_applies and no dropout (the
 // statistics are the dropout-free map's); column sums and entropy in fp32 (any strides), rows in
-// any floating dtype and layout.
+// any floating dtype and layout; at most 65535 chunks of 2048 keys (S up to about 134 million).
 bool decode_stats_applies(const DevProblem& p, const StatsTargets& t);
 
 // The backward of the same problems in fp16/bf16, once g.delta holds rowsum(A . dA): dQ (and

@@ -59,8 +59,9 @@ struct StatsTargets {
 // The device twin of core::unravel (src/core/validate.cpp): the offset of lead index `lead`.
 // Host code may call it too (the fp32 path checks its layouts with it), as output_factor.
 // NARROW divides in 32 bits where the index and the extent fit (every real shape; a 64-bit
-// division is a long call on the GPU): lead_off_narrow, for decode_partial_tc and
-// decode_finalize_rows, whose warps each compute a few offsets and little else. The other kernels
+// division is a long call on the GPU): lead_off_narrow, for decode_partial_tc,
+// decode_finalize_rows and the Hopper backward's delta_rows, whose warps each compute a few
+// offsets and little else. The other kernels
 // keep the 64-bit form: with the 32-bit
 // one their spills moved (the Hopper forward's by -116 to +8 bytes, the head-256 tile forward's
 // by +48) and the 1.5-2 % their rows moved in that run (bench/NOTES.md, session 36) was not

@@ -178,3 +178,19 @@ def test_auto_takes_the_decode_kernels_rows_alone_too():
     (_, st), names = cuda_kernels(lambda: attention_stats(q, k, v, rows=slice(-1, None), **kw))
     assert any("decode_stats" in n for n in names), names
     torch.testing.assert_close(st["rows"], P, rtol=4e-3, atol=1e-7)
+
+
+def test_keys_past_the_statistics_grid_keep_the_plain_forward_and_leave_the_statistics_to_others():
+    """S = 150 million keys (K and V one row broadcast over the keys, no memory): more 2048-key
+    chunks than a grid's second dimension takes (65535). The statistics kernels decline it (review,
+    session 37: they threw CudaFailure from forward_stats instead of declining), and the plain
+    decode forward, whose finalize takes 4096 keys a CTA, still runs it."""
+    S = 150_000_000
+    q = torch.randn(1, 1, 1, 8, device="cuda")  # fp32: P = 1 / S is below fp16's subnormals
+    k = torch.zeros(1, 1, 1, 8, device="cuda").expand(1, 1, S, 8)
+    v = torch.ones(1, 1, 1, 8, device="cuda").expand(1, 1, S, 8)
+    assert not ops.forward_stats_has_kernel(q, k, v, None, False, None, False, True, True, 0)
+    assert ops.forward_stats_has_kernel(q, k[:, :, :4096], v[:, :, :4096], None, False, None, False, True, True, 0)
+    out, P = sdpa_math.attention(q, k, v)
+    torch.testing.assert_close(out, torch.ones_like(out), rtol=1e-5, atol=0)  # every key weighs 1 / S, V is ones
+    torch.testing.assert_close(P[0, 0, 0, ::10_000_000], torch.full((15,), 1 / S, device="cuda"), rtol=1e-3, atol=0)

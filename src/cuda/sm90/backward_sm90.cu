@@ -462,26 +462,40 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // delta_i = dO_i · O_i + P_i · dP_ext,i in fp32. 32 / RPW lanes per row: with dP_ext (S long
 // rows) a warp a row (RPW = 1); with dO alone (rows of at most 128 elements) four rows a warp, so a
-// lane has more than one short load in flight. VEC: 16-byte loads (rows allow), else elements.
-template <typename T, bool VEC, int RPW>
+// lane has more than one short load in flight. VW elements a load: 8 (16 bytes) or 4 (8 bytes)
+// where every row allows, else 1. The 8-byte loads are for rows of S % 8 = 4 keys (tail100_d64's
+// 1100), which element loads read at 1.5 TB/s (bench/NOTES.md, session 37).
+template <typename T, int VW, int RPW>
 __global__ void delta_rows(const DevProblem p, float* delta, int64_t q_tiles) {
+  static_assert(VW == 8 || VW == 4 || VW == 1, "16-byte, 8-byte or element loads");
+  using Vec = std::conditional_t<VW == 8, uint4, uint2>;
   constexpr int kLanes = 32 / RPW;  // per row
   const int lane = threadIdx.x % 32, sub = lane % kLanes;
   const int64_t row = (blockIdx.x * static_cast<int64_t>(blockDim.x / 32) + threadIdx.x / 32) * RPW + lane / kLanes;
   const bool valid = row < p.num_lead * p.L;
-  const int64_t lead = valid ? row / p.L : 0, i = valid ? row % p.L : 0;
+  // A warp's index math is most of its instructions here: 32-bit divisions where they fit.
+  int64_t lead = 0, i = 0;
+  if (valid && ((row | p.L) >> 31) == 0) {
+    lead = static_cast<uint32_t>(row) / static_cast<uint32_t>(p.L);
+    i = static_cast<uint32_t>(row) % static_cast<uint32_t>(p.L);
+  } else if (valid) {
+    lead = row / p.L;
+    i = row % p.L;
+  }
   auto dot = [&](const DevOperand& x, const DevOperand& y, int64_t n) {
-    const T* xr = reinterpret_cast<const T*>(x.data) + lead_off(p, x, lead) + i * x.row;
-    const T* yr = reinterpret_cast<const T*>(y.data) + lead_off(p, y, lead) + i * y.row;
+    const T* xr = reinterpret_cast<const T*>(x.data) + lead_off_narrow(p, x, lead) + i * x.row;
+    const T* yr = reinterpret_cast<const T*>(y.data) + lead_off_narrow(p, y, lead) + i * y.row;
     float acc = 0.0f;
     if (!valid) return acc;
-    if constexpr (VEC) {
-#pragma unroll 4  // several 16-byte loads in flight per lane: long rows run at copy bandwidth
-      for (int64_t e = sub * 8; e < n; e += 8 * kLanes) {
-        const uint4 xa = *reinterpret_cast<const uint4*>(xr + e), ya = *reinterpret_cast<const uint4*>(yr + e);
-        const uint32_t xs[4] = {xa.x, xa.y, xa.z, xa.w}, ys[4] = {ya.x, ya.y, ya.z, ya.w};
+    if constexpr (VW > 1) {
+#pragma unroll 4  // several loads in flight per lane: long rows run at copy bandwidth
+      for (int64_t e = sub * VW; e < n; e += VW * kLanes) {
+        const Vec xa = *reinterpret_cast<const Vec*>(xr + e), ya = *reinterpret_cast<const Vec*>(yr + e);
+        uint32_t xs[VW / 2], ys[VW / 2];
+        memcpy(xs, &xa, sizeof(xs));
+        memcpy(ys, &ya, sizeof(ys));
 #pragma unroll
-        for (int h = 0; h < 4; ++h) {
+        for (int h = 0; h < VW / 2; ++h) {
           const float2 u = unpack2<T>(xs[h]), w = unpack2<T>(ys[h]);
           acc = fmaf(u.x, w.x, fmaf(u.y, w.y, acc));
         }
@@ -643,15 +657,19 @@ bool backward_for(const DevProblem& p, const BackwardTargets& out, float* worksp
   a.dv = out.dv;
 
   const int64_t rows = p.num_lead * p.L;
-  const bool vec = (!a.has_do || (rows_vectorizable(p.grad_out, p.lead_ndim, p.Ev, 2, 8) &&
-                                  rows_vectorizable(p.out, p.lead_ndim, p.Ev, 2, 8))) &&
-                   (!a.has_dp || (rows_vectorizable(p.grad_probs, p.lead_ndim, p.S, 2, 8) &&
-                                  rows_vectorizable(p.probs, p.lead_ndim, p.S, 2, 8)));
+  auto vec = [&](int w) {
+    return (!a.has_do || (rows_vectorizable(p.grad_out, p.lead_ndim, p.Ev, 2, w) &&
+                          rows_vectorizable(p.out, p.lead_ndim, p.Ev, 2, w))) &&
+           (!a.has_dp || (rows_vectorizable(p.grad_probs, p.lead_ndim, p.S, 2, w) &&
+                          rows_vectorizable(p.probs, p.lead_ndim, p.S, 2, w)));
+  };
+  const int vw = vec(8) ? 8 : vec(4) ? 4 : 1;
   // 8 warps a block; four rows a warp without dP_ext.
   const int64_t delta_blocks = a.has_dp ? (rows + 7) / 8 : (rows + 31) / 32;
   const unsigned delta_grid = grid_x(delta_blocks, "sm90 delta");
-  const auto delta_kernel = a.has_dp ? (vec ? &delta_rows<T, true, 1> : &delta_rows<T, false, 1>)
-                                     : (vec ? &delta_rows<T, true, 4> : &delta_rows<T, false, 4>);
+  const auto delta_kernel =
+      a.has_dp ? (vw == 8 ? &delta_rows<T, 8, 1> : vw == 4 ? &delta_rows<T, 4, 1> : &delta_rows<T, 1, 1>)
+               : (vw == 8 ? &delta_rows<T, 8, 4> : vw == 4 ? &delta_rows<T, 4, 4> : &delta_rows<T, 1, 4>);
   delta_kernel<<<delta_grid, 256, 0, stream>>>(p, delta, a.q_tiles);
   check_launch("sm90 delta");
   if (D == 64) launch<T, 64, false>(maps, p, a, out, stream);
