@@ -76,3 +76,16 @@ def reference(q, k, v, mask, causal, scale, gqa):
     lse = torch.logsumexp(s, -1)
     p = torch.softmax(s, -1).nan_to_num(0.0)  # not exp(s - lse): a row held at finfo.min rounds lse to s
     return p @ v, p, lse
+
+
+def ref_stats(q, k, v, mask, kw):
+    """Column sums and row entropy from the float64 map (rows with no visible key: P = 0), for the
+    statistics tests; kw holds is_causal and enable_gqa."""
+    _, p, _ = reference(q, k, v, mask, kw["is_causal"], q.shape[-1] ** -0.5, kw["enable_gqa"])
+    ent = -torch.where(p > 0, p * torch.log(torch.where(p > 0, p, 1.0)), 0.0).sum(-1)
+    return p.sum(-2), ent
+
+
+def rel_err(got, want):
+    """Relative Frobenius error of got against a float64 want."""
+    return ((got.double() - want).norm() / want.norm().clamp(min=1e-30)).item()

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import sdpa_math
-from cuda_helpers import cuda_kernels, dtype_id, make, reference
+from cuda_helpers import cuda_kernels, dtype_id, make, ref_stats, rel_err
 from sdpa_math.stats import attention_stats
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -61,17 +61,6 @@ def inputs(name, dtype, seed=0):
     q, k, v = make((B, Hq, L, E), dtype, layout, gen), make((B, Hkv, S, E), dtype, layout, gen), \
         make((B, Hkv, S, Ev), dtype, layout, gen)
     return q, k, v, make_decode_mask(mask_kind, B, Hq, L, S, dtype, gen), dict(is_causal=causal, enable_gqa=Hq != Hkv)
-
-
-def ref_stats(q, k, v, mask, kw):
-    """Column sums and row entropy from the float64 map (rows with no visible key: P = 0)."""
-    _, p, _ = reference(q, k, v, mask, kw["is_causal"], q.shape[-1] ** -0.5, kw["enable_gqa"])
-    ent = -torch.where(p > 0, p * torch.log(torch.where(p > 0, p, 1.0)), 0.0).sum(-1)
-    return p.sum(-2), ent
-
-
-def rel_err(got, want):
-    return ((got.double() - want).norm() / want.norm().clamp(min=1e-30)).item()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)

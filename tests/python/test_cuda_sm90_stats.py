@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import sdpa_math
-from cuda_helpers import HALF_DTYPES, cuda_kernels, dtype_id, make, make_mask, reference, sm90_only
+from cuda_helpers import HALF_DTYPES, cuda_kernels, dtype_id, make, make_mask, ref_stats, reference, rel_err, sm90_only
 from sdpa_math.stats import attention_stats
 
 pytestmark = sm90_only
@@ -46,17 +46,6 @@ def inputs(name, dtype, seed=0):
         make((B, Hkv, S, Ev), dtype, layout, gen)
     mask = make_mask(mask_kind, B, Hq, L, S, dtype, gen)
     return q, k, v, mask, dict(is_causal=causal, enable_gqa=Hq != Hkv)
-
-
-def ref_stats(q, k, v, mask, kw):
-    """Column sums and row entropy from the float64 map (rows with no visible key: P = 0)."""
-    _, p, _ = reference(q, k, v, mask, kw["is_causal"], q.shape[-1] ** -0.5, kw["enable_gqa"])
-    ent = -torch.where(p > 0, p * torch.log(torch.where(p > 0, p, 1.0)), 0.0).sum(-1)
-    return p.sum(-2), ent
-
-
-def rel_err(got, want):
-    return ((got.double() - want).norm() / want.norm().clamp(min=1e-30)).item()
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
