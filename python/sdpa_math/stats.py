@@ -433,23 +433,20 @@ def _o_and_lse(q, k, v, is_causal, scale, enable_gqa):
 
 
 def _rows_alone_applies(q, k, v, m, is_causal, scale, enable_gqa, col_sum, row_entropy, head_mean, kl_to,
-                        tracked, count, S) -> bool:
+                        tracked, count, S, fused) -> bool:
     """Whether `rows` alone takes _rows_alone: nothing else asked, no gradient, no mask, fp16/bf16
     CUDA inputs that one of PyTorch's fused kernels takes (it gives O), at least one key, and a
     window of at most a quarter of the query rows. The window's cost grows with its rows, the
     statistics kernel's with all rows: tail100_d64's 64 of 100 rows took 0.101 ms this way against
     the kernel's 0.065; every anchor with a window of 1/16 of the rows or less ran faster. Up to 4
     query rows (decode) take the decode kernels' statistics (one pass over K and V) where they
-    apply, this route only where they do not: decode_s2k_d128 took 0.396 ms this way (run s24-v79),
-    against 0.565 on the Hopper statistics kernel then."""
+    apply (fused: the caller's answer from forward_stats_has_kernel), this route only where they do
+    not: decode_s2k_d128 took 0.396 ms this way (run s24-v79), 0.305 on the decode kernels (s37-v149)."""
     L = q.shape[-2]
     if not (col_sum is None and not row_entropy and not head_mean and kl_to is None and m is None and not tracked
             and 0 < count and S > 0 and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
         return False
-    if L <= 4:
-        if ops.forward_stats_has_kernel(q, k, v, None, is_causal, scale, enable_gqa, False, False, count):
-            return False
-    elif 4 * count > L:
+    if (L <= 4 and fused) or (L > 4 and 4 * count > L):
         return False
     return _pytorch_fused_choice(q, k, v, is_causal, scale, enable_gqa) != 0
 
@@ -694,18 +691,18 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 and win is None)
     outs, cols, ents, kls, heads, picked = [], [], [], [], [], []
     first, count, step = (win[0], len(range(*win)), win[2]) if win is not None else (0, 0, 1)
-    # rows alone under auto, CUDA fp16/bf16, no mask, no gradient (_rows_alone_applies): O from
-    # PyTorch's fused kernel and the window's rows from their own logits.
-    if method == "auto" and win is not None and _rows_alone_applies(query, key, value, attn_mask, is_causal, scale,
-                                                                    enable_gqa, col_sum, row_entropy, head_mean,
-                                                                    kl_to, use_checkpoint, count, S):
-        return _rows_alone(query, key, value, is_causal, scale, enable_gqa, win)
     # The CPU operator takes every input; on CUDA, ask whether a kernel (decode's, Hopper's) takes these.
     fused_applies = (not use_checkpoint and not head_mean and kl_to is None
                      and (col_sum is not None or row_entropy or win is not None) and method != "chunks"
                      and (query.device.type == "cpu"
                           or ops.forward_stats_has_kernel(query, key, value, attn_mask, is_causal, scale, enable_gqa,
                                                           col_sum is not None, row_entropy, count)))
+    # rows alone under auto, CUDA fp16/bf16, no mask, no gradient (_rows_alone_applies): O from
+    # PyTorch's fused kernel and the window's rows from their own logits.
+    if method == "auto" and win is not None and _rows_alone_applies(query, key, value, attn_mask, is_causal, scale,
+                                                                    enable_gqa, col_sum, row_entropy, head_mean,
+                                                                    kl_to, use_checkpoint, count, S, fused_applies):
+        return _rows_alone(query, key, value, is_causal, scale, enable_gqa, win)
     if method == "fused" and not fused_applies:
         raise ValueError("attention_stats: method='fused' takes col_sum, row_entropy and rows with no gradient wanted, "
                          "of CPU inputs or of CUDA inputs its kernels take (torch.ops.sdpa_math."

@@ -254,9 +254,10 @@ bool stats_kernel_applies(const core::Problem& p, const StatsOutputs& out) {
   DevProblem dp = to_device(p);
   dp.out = output_to_device(p, out.output, true);
   dp.lse = output_to_device(p, out.logsumexp, false);
-  if (decode_stats_applies(dp, stats_targets(p, out))) return true;
+  const StatsTargets t = stats_targets(p, out);
+  if (decode_stats_applies(dp, t)) return true;
 #ifdef SDPA_MATH_WITH_SM90
-  return sm90::stats_applies(dp, stats_targets(p, out));
+  return sm90::stats_applies(dp, t);
 #else
   return false;
 #endif

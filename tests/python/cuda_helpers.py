@@ -89,3 +89,13 @@ def ref_stats(q, k, v, mask, kw):
 def rel_err(got, want):
     """Relative Frobenius error of got against a float64 want."""
     return ((got.double() - want).norm() / want.norm().clamp(min=1e-30)).item()
+
+
+def assert_stats_match_float64(st, q, k, v, mask, kw):
+    """col_sum and row_entropy of attention_stats's result st: fp32, within 1e-5 of float64 on
+    the same rounded inputs, as a whole (relative Frobenius) and element by element."""
+    assert st["col_sum"].dtype == st["row_entropy"].dtype == torch.float32
+    want_cols, want_ent = ref_stats(q, k, v, mask, kw)
+    for key, want in (("col_sum", want_cols), ("row_entropy", want_ent)):
+        assert rel_err(st[key], want) <= 1e-5, (key, rel_err(st[key], want))
+        torch.testing.assert_close(st[key].double(), want, rtol=1e-5, atol=1e-5, msg=key)
