@@ -1134,13 +1134,18 @@ def _cmd_gate(a):
     return 1 if fails else 0
 
 
+# The input dtypes the benchmark times (--dtypes): argparse names a wrong one before anything runs.
+BENCH_DTYPES = ("float16", "bfloat16", "float32")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m sdpa_math.bench", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="time every implementation side by side")
     r.add_argument("--device", choices=["cpu", "cuda"])
     r.add_argument("--set", choices=sorted(SETS))
-    r.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16", "float32"])
+    r.add_argument("--dtypes", nargs="+", choices=BENCH_DTYPES, default=list(BENCH_DTYPES), metavar="DTYPE",
+                    help="space-separated, of " + ", ".join(BENCH_DTYPES))
     r.add_argument("--reps", type=int, default=15)
     r.add_argument("--no-backward", action="store_true")
     r.add_argument("--timing", choices=["gpu", "wall"], default="gpu",
@@ -1150,7 +1155,8 @@ def main(argv=None):
     st = sub.add_parser("stats", help="time the statistics-only forward (col_sum + row_entropy) side by side")
     st.add_argument("--device", choices=["cpu", "cuda"])
     st.add_argument("--set", choices=sorted(SETS))
-    st.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16", "float32"])
+    st.add_argument("--dtypes", nargs="+", choices=BENCH_DTYPES, default=list(BENCH_DTYPES), metavar="DTYPE",
+                    help="space-separated, of " + ", ".join(BENCH_DTYPES))
     st.add_argument("--reps", type=int, default=10)
     st.add_argument("--timing", choices=["gpu", "wall"], default="gpu")
     st.add_argument("--out", default="bench-out")

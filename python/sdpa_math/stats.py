@@ -215,6 +215,14 @@ def _causal_rows(i0, i1, S, device):
     return torch.arange(i0, i1, device=device)[:, None] >= torch.arange(S, device=device)[None, :]
 
 
+def _op_causality(m, i0, is_causal):
+    """(mask, is_causal) for the operator on a chunk of causal rows from i0 (m: their _causal_rows):
+    the chunk from row 0 is causal in its own right (top-left), so it takes is_causal, whose kernels
+    skip the hidden keys; a later chunk's rows start past key 0 and take their bool rows. Not causal:
+    (m, False). On the CPU a 512 x 512 causal chunk ran 2x slower as a bool mask (session 38)."""
+    return (None, True) if is_causal and i0 == 0 else (m, False)
+
+
 class _KLChunk(torch.autograd.Function):
     """One chunk of query rows of kl_to when gradients are wanted: returns (O, KL) of the rows.
 
@@ -231,7 +239,8 @@ class _KLChunk(torch.autograd.Function):
     def forward(ctx, q, k, v, m, ref, causal_rows, scale, enable_gqa, stat_dtype):
         if causal_rows is not None:
             m = _causal_rows(*causal_rows, k.shape[-2], q.device)
-        o, p, lse = ops.forward(q, k, v, m, 0.0, False, None, scale, enable_gqa, None)
+        op_m, op_causal = _op_causality(m, causal_rows[0] if causal_rows else 0, causal_rows is not None)
+        o, p, lse = ops.forward(q, k, v, op_m, 0.0, op_causal, None, scale, enable_gqa, None)
         if p.dtype in (torch.float16, torch.bfloat16):  # to P's lead shape (q, k and r may lack dims of v's)
             kl = _kl_rows_from_logits(ref, _shifted_logits_fp32(q, k, m, scale, enable_gqa)).expand(p.shape[:-1])
         else:
@@ -250,16 +259,17 @@ class _KLChunk(torch.autograd.Function):
         causal_rows, scale, enable_gqa, stat_dtype = ctx.meta
         if causal_rows is not None:
             m = _causal_rows(*causal_rows, k.shape[-2], q.device)
+        op_m, op_causal = _op_causality(m, causal_rows[0] if causal_rows else 0, causal_rows is not None)
         want_q, want_k, want_v, want_m, want_r = ctx.needs_input_grad[:5]
         want_m = want_m and m is not None and m.is_floating_point()
         half = q.dtype in (torch.float16, torch.bfloat16)
         grads = [None] * 5  # q, k, v, mask, reference
         p = logp = None
         if d_o is not None or not half:
-            _, p, _ = ops.forward(q, k, v, m, 0.0, False, None, scale, enable_gqa, None)
+            _, p, _ = ops.forward(q, k, v, op_m, 0.0, op_causal, None, scale, enable_gqa, None)
         if d_o is not None:  # O's own gradient: the operator's backward from the recomputed P
-            dq, dk, dv, dm = ops.backward(d_o, None, q, k, v, m, lse, o, p, 0.0, False, None, scale, enable_gqa, None,
-                                          [want_q, want_k, want_v, want_m])
+            dq, dk, dv, dm = ops.backward(d_o, None, q, k, v, op_m, lse, o, p, 0.0, op_causal, None, scale, enable_gqa,
+                                          None, [want_q, want_k, want_v, want_m])
             grads[:4] = [t if want else None for t, want in zip((dq, dk, dv, dm), (want_q, want_k, want_v, want_m))]
         if g is not None and (want_q or want_k or want_m or want_r):
             r = ref.to(stat_dtype)
@@ -302,11 +312,12 @@ def _o_grads_by_chunks(q, k, v, o, lse, d_o, is_causal, scale, enable_gqa, wants
     dqs, dk, dv = [], None, None
     for i0 in range(0, L, rows):
         i1 = min(L, i0 + rows)
-        m = _causal_rows(i0, i1, S, q.device) if is_causal else None
+        rows_seen = _causal_rows(i0, i1, S, q.device) if is_causal and i0 > 0 else None  # not built for row 0's chunk
+        m, causal = _op_causality(rows_seen, i0, is_causal)
         q_c = q[..., i0:i1, :]
-        _, p_c, _ = ops.forward(q_c, k, v, m, 0.0, False, None, scale, enable_gqa, None)
+        _, p_c, _ = ops.forward(q_c, k, v, m, 0.0, causal, None, scale, enable_gqa, None)
         dq_c, dk_c, dv_c, _ = ops.backward(d_o[..., i0:i1, :], None, q_c, k, v, m, lse[..., i0:i1], o[..., i0:i1, :],
-                                           p_c, 0.0, False, None, scale, enable_gqa, None, mask_wants)
+                                           p_c, 0.0, causal, None, scale, enable_gqa, None, mask_wants)
         del p_c
         if wants[0]:
             dqs.append(dq_c)
@@ -525,18 +536,29 @@ class _KLFused(torch.autograd.Function):
         return (*grads, None, None, None, None, None)
 
 
+def _cpu_bf16_products_fast() -> bool:
+    """Whether this CPU multiplies bf16 matrices faster than fp32 ones: it has AVX-512 BF16 or
+    AMX. Without them PyTorch's bf16 products are emulated: on an AVX2 machine (AMD EPYC, 2
+    threads) they ran 5x slower than fp32's, and kl_to's backward in bf16 took 0.30x the math op's
+    time (bench/NOTES.md, session 38). The probes are PyTorch's own (private, so absent means no)."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+
+
 def _logit_product_grads(ds, q, k, scale, enable_gqa):
     """dQ = scale dS K and dK = scale dSᵀ Q, summed over a GQA group (the group's query rows are
     stacked, so the sum is inside dK's product) and over broadcast dims, from dS in the
     statistics dtype. Half-precision inputs multiply in their own dtype (dS rounded to it, as the
     math op's backward rounds its dS) where that is fast: fp16 and bf16 on CUDA (fp32 results
-    where bmm has out_dtype), bf16 on the CPU (4.7x fp32's speed with avx512_bf16 on the 2-core
-    machine). fp16 on the CPU has no fast product (50x slower than fp32 there) and multiplies in
-    fp32. Before rounding to fp16 (with fp32 results only: an fp16 result could overflow), dS is
+    where bmm has out_dtype), bf16 on a CPU with AVX-512 BF16 or AMX (4.7x fp32's speed with
+    avx512_bf16 on the 2-core machine; _cpu_bf16_products_fast). fp16 on the CPU, and bf16 on a CPU
+    without those, has no fast product (fp16 50x, bf16 5x slower than fp32 on an AVX2 machine) and
+    multiplies in fp32. Before rounding to fp16 (with fp32 results only: an fp16 result could overflow), dS is
     scaled by a power of two per product matrix that brings its largest element near 1: dS is
     about S times smaller than the dQ it sums to, and a small loss (a mean over many rows) put it
     in fp16's subnormal range (a relative error 4x the fp32 path's, in a CPU emulation)."""
-    fast_half = q.dtype == torch.bfloat16 or (q.dtype == torch.float16 and _on_cuda(q))
+    fast_half = (q.dtype in (torch.float16, torch.bfloat16) and _on_cuda(q)) or (
+        q.dtype == torch.bfloat16 and _cpu_bf16_products_fast())
     dtype = q.dtype if fast_half else ds.dtype
     s = _scale_value(q.shape[-1], scale)
     lead, lc, n_keys = ds.shape[:-2], ds.shape[-2], ds.shape[-1]
@@ -729,7 +751,8 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             # Everything P-sized lives only inside this function (recomputed in backward).
             if is_causal:  # top-left: row i sees keys j <= i; built here so the graph does not keep it
                 m_c = _causal_rows(i0, i1, S, q_c.device)
-            o_c, p_c, lse_c = attention_with_lse(q_c, k, v, m_c, 0.0, False, scale=scale, enable_gqa=enable_gqa)
+            op_m, op_causal = _op_causality(m_c, i0, is_causal)
+            o_c, p_c, lse_c = attention_with_lse(q_c, k, v, op_m, 0.0, op_causal, scale=scale, enable_gqa=enable_gqa)
             pf = p_c.to(stat_dtype)
             res = [o_c]
             if col_sum is not None:

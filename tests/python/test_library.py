@@ -117,6 +117,21 @@ def test_command_line_help_info_and_unknown_command(capsys):
     assert "unknown command 'no-such-command'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("cmd", ["run", "stats"])
+def test_bench_names_a_wrong_dtype_before_anything_runs(cmd, capsys, tmp_path):
+    """A comma-separated or unknown --dtypes is a usage error that names the value and the
+    choices (it was a traceback from getattr(torch, ...) after the set was built)."""
+    from sdpa_math import bench
+
+    for bad in ("float32,bfloat16", "half"):
+        with pytest.raises(SystemExit) as info:
+            bench.main([cmd, "--device", "cpu", "--dtypes", bad, "--out", str(tmp_path)])
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert f"invalid choice: '{bad}'" in err and "float16" in err and "bfloat16" in err
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
 def test_public_api_is_typed_and_documented():
     """Every public function has annotations on each parameter and its return, and a docstring;
     the package says so to type checkers (py.typed, PEP 561)."""

@@ -434,6 +434,27 @@ def test_kl_to_of_half_inputs_matches_float64(case, dtype):
         assert (st["kl_to"][..., 5] == 0).all()
 
 
+def test_kl_to_bf16_gradient_products_on_the_cpu_follow_its_instructions():
+    """kl_to's dQ and dK products on bf16 CPU inputs: in bf16 (dS rounded, as the math op rounds
+    it) only where the CPU multiplies bf16 fast (AVX-512 BF16 or AMX), else in fp32 from the
+    unrounded dS (emulated bf16 products ran 5x slower than fp32's on an AVX2 machine). The two
+    forms give different roundings here, so the result shows which one ran."""
+    from sdpa_math import stats as stats_mod
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 3, 24, 16, generator=gen).to(torch.bfloat16)
+    k = torch.randn(2, 3, 40, 16, generator=gen).to(torch.bfloat16)
+    ds = torch.randn(2, 3, 24, 40, generator=gen) * 1e-2
+    scale = 0.25
+    dq, dk = stats_mod._logit_product_grads(ds, q, k, scale, False)
+    in_fp32 = ((ds @ k.float()) * scale).bfloat16(), (ds.transpose(-2, -1) @ (q.float() * scale)).bfloat16()
+    dsb = ds.bfloat16()
+    in_bf16 = (dsb @ k).mul_(scale), dsb.transpose(-2, -1) @ (q * scale)
+    assert not torch.equal(in_fp32[0], in_bf16[0])  # the check can tell the forms apart
+    want = in_bf16 if stats_mod._cpu_bf16_products_fast() else in_fp32
+    torch.testing.assert_close(dq, want[0], rtol=0, atol=0)
+    torch.testing.assert_close(dk, want[1], rtol=0, atol=0)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("case", ["float_mask", "causal_gqa"])
