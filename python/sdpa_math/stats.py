@@ -210,6 +210,17 @@ def _kl_rows_from_logits(r, x):
     return torch.where(torch.isneginf(lse) & (R > 0), float("inf"), kl)
 
 
+def _kl_rows_of_fp32_p(r, p, lse, logits_kl):
+    """_kl_rows of fp16/bf16 inputs' P taken in fp32 (_fp32_on_cpu), keeping those inputs' rule
+    that log P comes from the logits: a row whose KL is +inf from P (r > 0 where P underflows
+    even in fp32, a logit gap past exp's range) takes its KL from logits_kl() (the fp32 logits,
+    _kl_rows_from_logits), finite there; a row with r's mass on a hidden key is +inf either way.
+    Rows of that kind are rare: the logits' passes run only when one is there."""
+    kl = _kl_rows(r, p, lse)
+    inf = torch.isposinf(kl)
+    return torch.where(inf, logits_kl().expand(kl.shape), kl) if inf.any() else kl
+
+
 def _causal_rows(i0, i1, S, device):
     """Top-left causal visibility of rows i0..i1: row i sees keys j <= i."""
     return torch.arange(i0, i1, device=device)[:, None] >= torch.arange(S, device=device)[None, :]
@@ -223,6 +234,21 @@ def _op_causality(m, i0, is_causal):
     return (None, True) if is_causal and i0 == 0 else (m, False)
 
 
+def _fp32_on_cpu(q) -> bool:
+    """Whether kl_to's chunk of fp16/bf16 inputs runs the operator on fp32 copies of q, k, v (and a
+    float mask; _fp32_inputs): on the CPU, whose kernels load every dtype into fp32 and compute in
+    fp32, so O and the lse are the operator's own (O rounded to the inputs' dtype as its kernel
+    rounds it) and P comes in fp32, unrounded. kl_to needs P (or log P) in fp32; forming it from
+    fp32 logits in PyTorch ops (a product, then the mask, max, exp and sums as separate passes)
+    took kl_to's forward and backward in bf16 1.6x the time of fp32 inputs (session 39)."""
+    return q.device.type == "cpu" and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def _fp32_inputs(q, k, v, m):
+    """q, k, v and a float mask in fp32 (a bool mask or None as it is), for _fp32_on_cpu."""
+    return q.float(), k.float(), v.float(), m.float() if m is not None and m.is_floating_point() else m
+
+
 class _KLChunk(torch.autograd.Function):
     """One chunk of query rows of kl_to when gradients are wanted: returns (O, KL) of the rows.
 
@@ -232,19 +258,26 @@ class _KLChunk(torch.autograd.Function):
     dQ = scale dS K, dK = scale dSᵀ Q and a float mask's gradient is dS summed to its shape; O's
     gradient, when the caller uses O, goes through the operator's own backward. Autograd through a
     checkpointed chunk instead ran the KL's elementwise chain twice and then its backward (0.67–0.79x
-    the math op's speed on the CPU, session 18). For fp16/bf16 inputs both passes take log P and P
-    from fp32 logits (_shifted_logits_fp32), so neither underflows with the inputs' dtype."""
+    the math op's speed on the CPU, session 18). For fp16/bf16 inputs both passes take P in fp32, so
+    that neither it nor log P underflows or rounds with the inputs' dtype: on the CPU from the
+    operator run on fp32 copies (_fp32_on_cpu), elsewhere from fp32 logits (_shifted_logits_fp32)."""
 
     @staticmethod
     def forward(ctx, q, k, v, m, ref, causal_rows, scale, enable_gqa, stat_dtype):
         if causal_rows is not None:
             m = _causal_rows(*causal_rows, k.shape[-2], q.device)
         op_m, op_causal = _op_causality(m, causal_rows[0] if causal_rows else 0, causal_rows is not None)
-        o, p, lse = ops.forward(q, k, v, op_m, 0.0, op_causal, None, scale, enable_gqa, None)
-        if p.dtype in (torch.float16, torch.bfloat16):  # to P's lead shape (q, k and r may lack dims of v's)
-            kl = _kl_rows_from_logits(ref, _shifted_logits_fp32(q, k, m, scale, enable_gqa)).expand(p.shape[:-1])
+        if _fp32_on_cpu(q):  # O, the lse and P in fp32 from the CPU kernels
+            o, p, lse = ops.forward(*_fp32_inputs(q, k, v, op_m), 0.0, op_causal, None, scale, enable_gqa, None)
+            o = o.to(q.dtype)
+            kl = _kl_rows_of_fp32_p(ref.to(stat_dtype), p, lse,
+                                    lambda: _kl_rows_from_logits(ref, _shifted_logits_fp32(q, k, m, scale, enable_gqa)))
         else:
-            kl = _kl_rows(ref.to(stat_dtype), p, lse)
+            o, p, lse = ops.forward(q, k, v, op_m, 0.0, op_causal, None, scale, enable_gqa, None)
+            if p.dtype in (torch.float16, torch.bfloat16):  # to P's lead shape (q, k and r may lack dims of v's)
+                kl = _kl_rows_from_logits(ref, _shifted_logits_fp32(q, k, m, scale, enable_gqa)).expand(p.shape[:-1])
+            else:
+                kl = _kl_rows(ref.to(stat_dtype), p, lse)
         if not any(ctx.needs_input_grad[:4]):  # only the reference needs a gradient: O has none
             ctx.mark_non_differentiable(o)
         ctx.save_for_backward(q, k, v, None if causal_rows is not None else m, ref, o, lse)
@@ -262,18 +295,22 @@ class _KLChunk(torch.autograd.Function):
         op_m, op_causal = _op_causality(m, causal_rows[0] if causal_rows else 0, causal_rows is not None)
         want_q, want_k, want_v, want_m, want_r = ctx.needs_input_grad[:5]
         want_m = want_m and m is not None and m.is_floating_point()
-        half = q.dtype in (torch.float16, torch.bfloat16)
+        fp32 = _fp32_on_cpu(q)
+        logits = q.dtype in (torch.float16, torch.bfloat16) and not fp32  # P from fp32 logits (CUDA)
         grads = [None] * 5  # q, k, v, mask, reference
         p = logp = None
-        if d_o is not None or not half:
+        if fp32:  # P in fp32 (and rounded, the operator's P) from the CPU kernels
+            _, p, _ = ops.forward(*_fp32_inputs(q, k, v, op_m), 0.0, op_causal, None, scale, enable_gqa, None)
+        elif d_o is not None or not logits:
             _, p, _ = ops.forward(q, k, v, op_m, 0.0, op_causal, None, scale, enable_gqa, None)
         if d_o is not None:  # O's own gradient: the operator's backward from the recomputed P
-            dq, dk, dv, dm = ops.backward(d_o, None, q, k, v, op_m, lse, o, p, 0.0, op_causal, None, scale, enable_gqa,
-                                          None, [want_q, want_k, want_v, want_m])
+            p_op = p.to(q.dtype) if fp32 else p
+            dq, dk, dv, dm = ops.backward(d_o, None, q, k, v, op_m, lse, o, p_op, 0.0, op_causal, None, scale,
+                                          enable_gqa, None, [want_q, want_k, want_v, want_m])
             grads[:4] = [t if want else None for t, want in zip((dq, dk, dv, dm), (want_q, want_k, want_v, want_m))]
         if g is not None and (want_q or want_k or want_m or want_r):
             r = ref.to(stat_dtype)
-            if half:  # P (and log P) in fp32 from fp32 logits, not the rounded P
+            if logits:  # P (and log P) in fp32 from fp32 logits, not the rounded P
                 pf, logp = _probs_fp32(q, k, m, scale, enable_gqa, want_r)
             else:
                 pf = p.to(stat_dtype)
@@ -289,6 +326,8 @@ class _KLChunk(torch.autograd.Function):
             if want_r:  # d/dr of r log r - r log P: log r + 1 - log P where r > 0, else 0
                 if logp is None:
                     logp = torch.log(torch.where(r > 0, pf, torch.ones_like(pf)))
+                    if fp32 and (torch.isneginf(logp) & (r > 0)).any():  # P underflowed: log P from the logits
+                        logp = torch.where(r > 0, _probs_fp32(q, k, m, scale, enable_gqa, True)[1], logp)
                 dr = torch.where(r > 0, gs * (torch.log(torch.where(r > 0, r, torch.ones_like(r))) + 1 - logp),
                                  torch.zeros_like(r))
                 grads[4] = dr.sum_to_size(ref.shape).to(ref.dtype)
@@ -695,8 +734,9 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         if kl_to.dim() >= 2 and kl_to.shape[-2] not in (1, L):
             raise ValueError(f"attention_stats: kl_to has {kl_to.shape[-2]} rows, P has {L}")
 
-    if chunk_rows is None:
-        chunk_rows = default_chunk_rows(n_lead, S, p0.element_size(), L)
+    if chunk_rows is None:  # P's chunk in fp32 where kl_to takes it so (_fp32_on_cpu)
+        p_bytes = 4 if kl_to is not None and _fp32_on_cpu(query) else p0.element_size()
+        chunk_rows = default_chunk_rows(n_lead, S, p_bytes, L)
     bounds = [(i0, min(L, i0 + chunk_rows)) for i0 in range(0, L, chunk_rows)] or [(0, 0)]
 
     tensors = [t for t in (query, key, value, attn_mask, kl_to) if t is not None]
@@ -752,21 +792,31 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             if is_causal:  # top-left: row i sees keys j <= i; built here so the graph does not keep it
                 m_c = _causal_rows(i0, i1, S, q_c.device)
             op_m, op_causal = _op_causality(m_c, i0, is_causal)
-            o_c, p_c, lse_c = attention_with_lse(q_c, k, v, op_m, 0.0, op_causal, scale=scale, enable_gqa=enable_gqa)
-            pf = p_c.to(stat_dtype)
+            fp32_p = kl_to is not None and not use_checkpoint and _fp32_on_cpu(q_c)
+            if fp32_p:  # kl_to needs P in fp32: the CPU kernels give it (the other statistics use it too)
+                o_c, pf, lse_c = attention_with_lse(*_fp32_inputs(q_c, k, v, op_m), 0.0, op_causal, scale=scale,
+                                                    enable_gqa=enable_gqa)
+                o_c, p_c = o_c.to(q_c.dtype), pf.to(q_c.dtype) if sl is not None else None
+            else:
+                o_c, p_c, lse_c = attention_with_lse(q_c, k, v, op_m, 0.0, op_causal, scale=scale,
+                                                     enable_gqa=enable_gqa)
+                pf = p_c.to(stat_dtype)
             res = [o_c]
             if col_sum is not None:
                 res.append(pf.sum(-2))
             if row_entropy:
                 res.append(-(pf * torch.log(torch.where(pf > 0, pf, torch.ones_like(pf)))).sum(-1))
-            if kl_to is not None:  # fp16/bf16: log P from fp32 logits, not from the rounded P
-                half = p_c.dtype in (torch.float16, torch.bfloat16)
+            if kl_to is not None:  # fp16/bf16: log P from fp32 P or fp32 logits, not from the rounded P
+                half = q_c.dtype in (torch.float16, torch.bfloat16) and not fp32_p
                 if _tracked(q_c, k, m_c, ref_c):
                     res.append(_kl_rows_autograd(ref_c.to(stat_dtype), pf,
                                                  _log_probs_fp32(q_c, k, m_c, scale, enable_gqa) if half else None))
                 elif half:
                     res.append(_kl_rows_from_logits(ref_c, _shifted_logits_fp32(q_c, k, m_c, scale, enable_gqa))
                                .expand(p_c.shape[:-1]))
+                elif fp32_p:
+                    res.append(_kl_rows_of_fp32_p(ref_c.to(stat_dtype), pf, lse_c, lambda: _kl_rows_from_logits(
+                        ref_c, _shifted_logits_fp32(q_c, k, m_c, scale, enable_gqa))))
                 else:
                     res.append(_kl_rows(ref_c.to(stat_dtype), pf, lse_c))
             if head_mean:

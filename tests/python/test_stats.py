@@ -313,6 +313,8 @@ def test_kl_to_reference_gradient_is_finite_where_P_underflows_in_fp32(dtype):
     got, want = torch.autograd.grad(kl.sum(), R)[0], torch.autograd.grad(kl64.sum(), R64)[0]
     assert torch.isfinite(kl).all() and torch.isfinite(got).all()
     torch.testing.assert_close(kl.double(), kl64, rtol=1e-3, atol=0)
+    kl_no_grad = attention_stats(q, k, v, kl_to=R.detach(), scale=1.0)[1]["kl_to"]  # the chunks, no graph
+    torch.testing.assert_close(kl_no_grad.double(), kl64.detach(), rtol=1e-3, atol=0)
     torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=0)
 
 
@@ -453,6 +455,50 @@ def test_kl_to_bf16_gradient_products_on_the_cpu_follow_its_instructions():
     want = in_bf16 if stats_mod._cpu_bf16_products_fast() else in_fp32
     torch.testing.assert_close(dq, want[0], rtol=0, atol=0)
     torch.testing.assert_close(dk, want[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", ["nomask", "bool_fully_masked_rows", "float_mask_neginf", "gqa_4_2_causal",
+                                  "batch_dims_2x3"])
+def test_cpu_kernels_on_fp32_copies_give_the_operators_own_outputs(case, dtype):
+    """kl_to on fp16/bf16 CPU inputs runs the operator on fp32 copies of q, k, v and a float mask,
+    for P in fp32 (stats._fp32_on_cpu). That rests on the CPU kernels computing in fp32 whatever
+    the inputs' dtype: the copies' O and P rounded to the inputs' dtype, and their lse, are the
+    operator's own, bit for bit. A float mask in the inputs' dtype is widened too (fp32 inputs
+    take a float32 mask)."""
+    q, k, v, mask, kw, _ = make(case)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    if mask is not None and mask.is_floating_point():
+        mask = mask.to(dtype)
+    o, p, lse = sdpa_math.attention_with_lse(q, k, v, mask, **kw)
+    m32 = mask.float() if mask is not None and mask.is_floating_point() else mask
+    o32, p32, lse32 = sdpa_math.attention_with_lse(q.float(), k.float(), v.float(), m32, **kw)
+    assert p32.dtype == torch.float32 and not torch.equal(p32, p.float())  # P in fp32 is more than P rounded
+    for got, want in ((o32.to(dtype), o), (p32.to(dtype), p), (lse32, lse)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_kl_to_on_the_cpu_returns_the_operators_O_and_rows(dtype, grad):
+    """kl_to of fp16/bf16 CPU inputs (P taken in fp32) returns the operator's O bit for bit, and
+    other statistics asked with it come from that P: rows rounded to the operator's P, col_sum
+    and row_entropy near float64's without P's rounding in them."""
+    q, k, v, mask, kw, _ = make("float_pad_broadcast")
+    q, k, v, mask = (t.to(dtype) for t in (q, k, v, mask))
+    R = reference_map(q.double(), k.double(), v.double(), mask.double(), kw).to(dtype)
+    O, P = sdpa_math.attention(q, k, v, mask, **kw)
+    leaf = q.clone().requires_grad_(grad)
+    out, st = attention_stats(leaf, k, v, mask, kl_to=R, chunk_rows=3, **kw)
+    torch.testing.assert_close(out, O, rtol=0, atol=0)
+    if not grad:  # the chunked composition: the other statistics from the same P
+        _, st = attention_stats(q, k, v, mask, kl_to=R, rows=slice(1, 6), col_sum="per_head", row_entropy=True,
+                                chunk_rows=3, **kw)
+        torch.testing.assert_close(st["rows"], P[..., 1:6, :], rtol=0, atol=0)
+        _, st64 = attention_stats(q.double(), k.double(), v.double(), mask.double(), col_sum="per_head",
+                                  row_entropy=True, kl_to=R.double(), **kw)
+        for name in ("col_sum", "row_entropy", "kl_to"):
+            torch.testing.assert_close(st[name].double(), st64[name], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
