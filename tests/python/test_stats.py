@@ -501,6 +501,38 @@ def test_kl_to_on_the_cpu_returns_the_operators_O_and_rows(dtype, grad):
             torch.testing.assert_close(st[name].double(), st64[name], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("case", ["float_pad_broadcast", "gqa_4_2_causal"])
+def test_kl_to_and_output_in_one_loss_of_bf16_cpu_inputs(case):
+    """O and kl_to in one loss on bf16 CPU inputs: the KL's part from P in fp32 (the operator on
+    fp32 copies), O's through the operator's own bf16 backward from that P rounded. Against
+    float64, no further from it than the math op's gradients of the same loss (1.6: the chunks
+    each round their dK to bf16, see test_kl_to_of_half_inputs_matches_float64)."""
+    q, k, v, mask, kw, _ = make(case)
+    R = reference_map(q, k, v, mask, kw)
+    g = torch.Generator().manual_seed(5)
+    wo = torch.randn(q.shape[:-1] + (v.shape[-1],), dtype=F64, generator=g)
+
+    def grads(dtype, fn):
+        leaves = [t.detach().to(dtype).requires_grad_(True) for t in (q, k, v)]
+        m = mask.to(dtype) if mask is not None and mask.is_floating_point() else mask
+        out, kl = fn(*leaves, m, R.to(dtype))
+        return torch.autograd.grad((wo.to(dtype) * out).sum() + kl.float().sum(), leaves)
+
+    def ours(q_, k_, v_, m, r):
+        out, st = attention_stats(q_, k_, v_, m, kl_to=r, chunk_rows=2, **kw)
+        return out, st["kl_to"]
+
+    def math_op(q_, k_, v_, m, r):
+        out, P = torch.ops.aten._scaled_dot_product_attention_math(q_, k_, v_, m, **kw)
+        rf = r.float()
+        return out, (torch.xlogy(rf, rf) - rf * _log_probs_like_math(P, r)).sum(-1)
+
+    want = grads(F64, ours)
+    for got, ref, w in zip(grads(torch.bfloat16, ours), grads(torch.bfloat16, math_op), want):
+        err, err_math = (torch.linalg.norm(t.double() - w) / torch.linalg.norm(w) for t in (got, ref))
+        assert torch.isfinite(got).all() and err <= 1.6 * err_math + 1e-4, (err.item(), err_math.item())
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("case", ["float_mask", "causal_gqa"])
