@@ -234,19 +234,22 @@ def _op_causality(m, i0, is_causal):
     return (None, True) if is_causal and i0 == 0 else (m, False)
 
 
-def _fp32_on_cpu(q) -> bool:
+def _fp32_on_cpu(q, v) -> bool:
     """Whether kl_to's chunk of fp16/bf16 inputs runs the operator on fp32 copies of q, k, v (and a
     float mask; _fp32_inputs): on the CPU, whose kernels load every dtype into fp32 and compute in
     fp32, so O and the lse are the operator's own (O rounded to the inputs' dtype as its kernel
     rounds it) and P comes in fp32, unrounded. kl_to needs P (or log P) in fp32; forming it from
     fp32 logits in PyTorch ops (a product, then the mask, max, exp and sums as separate passes)
-    took kl_to's forward and backward in bf16 1.6x the time of fp32 inputs (session 39)."""
-    return q.device.type == "cpu" and q.dtype in (torch.float16, torch.bfloat16)
+    took kl_to's forward and backward in bf16 1.3x the time of this on 100-128 query rows
+    (session 39). With few rows the logits' passes are short and the copies of K and V are
+    what costs: with 16 rows or fewer against a head of 64 (rows < Ev / 4) the logits are
+    cheaper (decode, one row: 0.74x the time, B=4 H=8 S=2048; 16 rows: even)."""
+    return q.device.type == "cpu" and q.dtype in (torch.float16, torch.bfloat16) and 4 * q.shape[-2] >= v.shape[-1]
 
 
-def _fp32_inputs(q, k, v, m):
-    """q, k, v and a float mask in fp32 (a bool mask or None as it is), for _fp32_on_cpu."""
-    return q.float(), k.float(), v.float(), m.float() if m is not None and m.is_floating_point() else m
+def _fp32_inputs(*tensors):
+    """The tensors in fp32, a float mask too (a bool mask or None as it is), for _fp32_on_cpu."""
+    return tuple(t.float() if t is not None and t.is_floating_point() else t for t in tensors)
 
 
 class _KLChunk(torch.autograd.Function):
@@ -267,7 +270,7 @@ class _KLChunk(torch.autograd.Function):
         if causal_rows is not None:
             m = _causal_rows(*causal_rows, k.shape[-2], q.device)
         op_m, op_causal = _op_causality(m, causal_rows[0] if causal_rows else 0, causal_rows is not None)
-        if _fp32_on_cpu(q):  # O, the lse and P in fp32 from the CPU kernels
+        if _fp32_on_cpu(q, v):  # O, the lse and P in fp32 from the CPU kernels
             o, p, lse = ops.forward(*_fp32_inputs(q, k, v, op_m), 0.0, op_causal, None, scale, enable_gqa, None)
             o = o.to(q.dtype)
             kl = _kl_rows_of_fp32_p(ref.to(stat_dtype), p, lse,
@@ -295,12 +298,18 @@ class _KLChunk(torch.autograd.Function):
         op_m, op_causal = _op_causality(m, causal_rows[0] if causal_rows else 0, causal_rows is not None)
         want_q, want_k, want_v, want_m, want_r = ctx.needs_input_grad[:5]
         want_m = want_m and m is not None and m.is_floating_point()
-        fp32 = _fp32_on_cpu(q)
-        logits = q.dtype in (torch.float16, torch.bfloat16) and not fp32  # P from fp32 logits (CUDA)
+        half = q.dtype in (torch.float16, torch.bfloat16)
+        fp32 = _fp32_on_cpu(q, v)
+        logits = half and not fp32  # P from fp32 logits
+        # Where the products run in fp32 too (not _products_in_half), q and k are widened once, for
+        # P and for the products: a decode chunk's cost is mostly passes over K (session 39).
+        qk = (q, k)
+        if fp32 or (half and not _products_in_half(q)):
+            qk = (q.float(), k.float())
         grads = [None] * 5  # q, k, v, mask, reference
         p = logp = None
         if fp32:  # P in fp32 (and rounded, the operator's P) from the CPU kernels
-            _, p, _ = ops.forward(*_fp32_inputs(q, k, v, op_m), 0.0, op_causal, None, scale, enable_gqa, None)
+            _, p, _ = ops.forward(*qk, *_fp32_inputs(v, op_m), 0.0, op_causal, None, scale, enable_gqa, None)
         elif d_o is not None or not logits:
             _, p, _ = ops.forward(q, k, v, op_m, 0.0, op_causal, None, scale, enable_gqa, None)
         if d_o is not None:  # O's own gradient: the operator's backward from the recomputed P
@@ -311,14 +320,16 @@ class _KLChunk(torch.autograd.Function):
         if g is not None and (want_q or want_k or want_m or want_r):
             r = ref.to(stat_dtype)
             if logits:  # P (and log P) in fp32 from fp32 logits, not the rounded P
-                pf, logp = _probs_fp32(q, k, m, scale, enable_gqa, want_r)
+                pf, logp = _probs_fp32(*qk, m, scale, enable_gqa, want_r)
             else:
                 pf = p.to(stat_dtype)
             gs = g.to(stat_dtype).unsqueeze(-1)
             # dS = g (R P - r): the softmax's backward of dKL/dP = -r/P, with no division by P.
             ds = (r * -gs).addcmul_(pf, gs * r.sum(-1, keepdim=True))
             if want_q or want_k:
-                dq, dk = _logit_product_grads(ds, q, k, scale, enable_gqa)
+                products = (q, k) if _products_in_half(q) else qk
+                dq, dk = _logit_product_grads(ds, *products, scale, enable_gqa)
+                dq, dk = dq.to(q.dtype), dk.to(k.dtype)
                 grads[0] = _add(grads[0], dq) if want_q else grads[0]
                 grads[1] = _add(grads[1], dk) if want_k else grads[1]
             if want_m:
@@ -584,6 +595,12 @@ def _cpu_bf16_products_fast() -> bool:
     return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
 
 
+def _products_in_half(q) -> bool:
+    """Whether _logit_product_grads multiplies fp16/bf16 inputs in their own dtype (see there)."""
+    return (q.dtype in (torch.float16, torch.bfloat16) and _on_cuda(q)) or (
+        q.dtype == torch.bfloat16 and _cpu_bf16_products_fast())
+
+
 def _logit_product_grads(ds, q, k, scale, enable_gqa):
     """dQ = scale dS K and dK = scale dSᵀ Q, summed over a GQA group (the group's query rows are
     stacked, so the sum is inside dK's product) and over broadcast dims, from dS in the
@@ -596,8 +613,7 @@ def _logit_product_grads(ds, q, k, scale, enable_gqa):
     scaled by a power of two per product matrix that brings its largest element near 1: dS is
     about S times smaller than the dQ it sums to, and a small loss (a mean over many rows) put it
     in fp16's subnormal range (a relative error 4x the fp32 path's, in a CPU emulation)."""
-    fast_half = (q.dtype in (torch.float16, torch.bfloat16) and _on_cuda(q)) or (
-        q.dtype == torch.bfloat16 and _cpu_bf16_products_fast())
+    fast_half = _products_in_half(q)
     dtype = q.dtype if fast_half else ds.dtype
     s = _scale_value(q.shape[-1], scale)
     lead, lc, n_keys = ds.shape[:-2], ds.shape[-2], ds.shape[-1]
@@ -623,7 +639,9 @@ def _logit_product_grads(ds, q, k, scale, enable_gqa):
         # head) is far larger than dS (one row) — a fresh dK-sized temporary cost as much as its
         # product on the CPU
         dq = (ds @ kk).mul_(s)
-        dk = ds.transpose(-2, -1) @ (qq * s)
+        # one row a product (decode): dK is an outer product, which bmm with an inner dim of 1 ran
+        # at half the speed of the broadcast multiply (same products, no sums; session 39)
+        dk = ds.transpose(-2, -1) * (qq * s) if ds.shape[-2] == 1 else ds.transpose(-2, -1) @ (qq * s)
     else:  # fp32 results where bmm has out_dtype (else fp16/bf16 products, unscaled)
         mm = _bmm_fp32 if _BMM_HAS_OUT_DTYPE else (lambda x, y: (x @ y).float())
         c = s if factor is None else s / factor
@@ -735,7 +753,7 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             raise ValueError(f"attention_stats: kl_to has {kl_to.shape[-2]} rows, P has {L}")
 
     if chunk_rows is None:  # P's chunk in fp32 where kl_to takes it so (_fp32_on_cpu)
-        p_bytes = 4 if kl_to is not None and _fp32_on_cpu(query) else p0.element_size()
+        p_bytes = 4 if kl_to is not None and _fp32_on_cpu(query, value) else p0.element_size()
         chunk_rows = default_chunk_rows(n_lead, S, p_bytes, L)
     bounds = [(i0, min(L, i0 + chunk_rows)) for i0 in range(0, L, chunk_rows)] or [(0, 0)]
 
@@ -792,7 +810,7 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             if is_causal:  # top-left: row i sees keys j <= i; built here so the graph does not keep it
                 m_c = _causal_rows(i0, i1, S, q_c.device)
             op_m, op_causal = _op_causality(m_c, i0, is_causal)
-            fp32_p = kl_to is not None and not use_checkpoint and _fp32_on_cpu(q_c)
+            fp32_p = kl_to is not None and not use_checkpoint and _fp32_on_cpu(q_c, v)
             if fp32_p:  # kl_to needs P in fp32: the CPU kernels give it (the other statistics use it too)
                 o_c, pf, lse_c = attention_with_lse(*_fp32_inputs(q_c, k, v, op_m), 0.0, op_causal, scale=scale,
                                                     enable_gqa=enable_gqa)

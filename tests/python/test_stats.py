@@ -501,6 +501,32 @@ def test_kl_to_on_the_cpu_returns_the_operators_O_and_rows(dtype, grad):
             torch.testing.assert_close(st[name].double(), st64[name], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("hkv", [4, 2])
+def test_kl_to_of_a_decode_row_on_the_cpu_matches_float64(hkv, dtype):
+    """One query row (decode) of fp16/bf16 CPU inputs: fewer rows than Ev / 4, so the chunk takes
+    log P from the fp32 logits rather than the operator on fp32 copies (stats._fp32_on_cpu), and
+    without GQA dK is an outer product (one row a product). The KL and the gradients to q and k
+    against float64 on the same rounded inputs."""
+    from sdpa_math import stats as stats_mod
+    gen = torch.Generator().manual_seed(9)
+    B, H, S, E = 2, 4, 40, 32
+    q = torch.randn(B, H, 1, E, generator=gen).to(dtype)
+    k, v = (torch.randn(B, hkv, S, E, generator=gen).to(dtype) for _ in range(2))
+    R = torch.softmax(torch.randn(B, H, 1, S, generator=gen), -1).to(dtype)
+    assert not stats_mod._fp32_on_cpu(q, v)
+    kw = dict(enable_gqa=hkv != H)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k)]
+    kl = attention_stats(leaves[0], leaves[1], v, kl_to=R, **kw)[1]["kl_to"]
+    got = torch.autograd.grad(kl.sum(), leaves)
+    leaves64 = [t.double().requires_grad_(True) for t in (q, k)]  # autograd through the full P
+    kl64 = kl_ref(R.double(), sdpa_math.attention(leaves64[0], leaves64[1], v.double(), **kw)[1])
+    want = torch.autograd.grad(kl64.sum(), leaves64)
+    torch.testing.assert_close(kl.double(), kl64.detach(), rtol=1e-4, atol=1e-5)
+    for g, w in zip(got, want):  # fp32 products of the unrounded dS, rounded once to the inputs' dtype
+        torch.testing.assert_close(g.double(), w, rtol=1e-2, atol=1e-2 * w.abs().max().item())
+
+
 @pytest.mark.parametrize("case", ["float_pad_broadcast", "gqa_4_2_causal"])
 def test_kl_to_and_output_in_one_loss_of_bf16_cpu_inputs(case):
     """O and kl_to in one loss on bf16 CPU inputs: the KL's part from P in fp32 (the operator on
