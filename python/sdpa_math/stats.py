@@ -240,10 +240,10 @@ def _fp32_on_cpu(q, v) -> bool:
     fp32, so O and the lse are the operator's own (O rounded to the inputs' dtype as its kernel
     rounds it) and P comes in fp32, unrounded. kl_to needs P (or log P) in fp32; forming it from
     fp32 logits in PyTorch ops (a product, then the mask, max, exp and sums as separate passes)
-    took kl_to's forward and backward in bf16 1.3x the time of this on 100-128 query rows
+    took kl_to's forward and backward in bf16 1.1-1.3x the time of this on 32-128 query rows
     (session 39). With few rows the logits' passes are short and the copies of K and V are
-    what costs: with 16 rows or fewer against a head of 64 (rows < Ev / 4) the logits are
-    cheaper (decode, one row: 0.74x the time, B=4 H=8 S=2048; 16 rows: even)."""
+    what costs: below Ev / 4 rows the logits are cheaper (B=4 H=8 S=2048 Ev=64: one row 0.80x
+    the time, 8 rows 0.93x, 16 rows 1.1x)."""
     return q.device.type == "cpu" and q.dtype in (torch.float16, torch.bfloat16) and 4 * q.shape[-2] >= v.shape[-1]
 
 
