@@ -234,7 +234,7 @@ def _op_causality(m, i0, is_causal):
     return (None, True) if is_causal and i0 == 0 else (m, False)
 
 
-def _fp32_on_cpu(q, v) -> bool:
+def _fp32_on_cpu(q, v, rows: int | None = None) -> bool:
     """Whether kl_to's chunk of fp16/bf16 inputs runs the operator on fp32 copies of q, k, v (and a
     float mask; _fp32_inputs): on the CPU, whose kernels load every dtype into fp32 and compute in
     fp32, so O and the lse are the operator's own (O rounded to the inputs' dtype as its kernel
@@ -244,7 +244,8 @@ def _fp32_on_cpu(q, v) -> bool:
     (session 39). With few rows the logits' passes are short and the copies of K and V are
     what costs: below Ev / 4 rows the logits are cheaper (B=4 H=8 S=2048 Ev=64: one row 0.80x
     the time, 8 rows 0.93x, 16 rows 1.1x)."""
-    return q.device.type == "cpu" and q.dtype in (torch.float16, torch.bfloat16) and 4 * q.shape[-2] >= v.shape[-1]
+    rows = q.shape[-2] if rows is None else rows  # the chunk's query rows
+    return q.device.type == "cpu" and q.dtype in (torch.float16, torch.bfloat16) and 4 * rows >= v.shape[-1]
 
 
 def _fp32_inputs(*tensors):
@@ -338,7 +339,7 @@ class _KLChunk(torch.autograd.Function):
                 if logp is None:
                     logp = torch.log(torch.where(r > 0, pf, torch.ones_like(pf)))
                     if fp32 and (torch.isneginf(logp) & (r > 0)).any():  # P underflowed: log P from the logits
-                        logp = torch.where(r > 0, _probs_fp32(q, k, m, scale, enable_gqa, True)[1], logp)
+                        logp = torch.where(r > 0, _probs_fp32(*qk, m, scale, enable_gqa, True)[1], logp)
                 dr = torch.where(r > 0, gs * (torch.log(torch.where(r > 0, r, torch.ones_like(r))) + 1 - logp),
                                  torch.zeros_like(r))
                 grads[4] = dr.sum_to_size(ref.shape).to(ref.dtype)
@@ -802,6 +803,10 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         bounds_to_run = []
     else:
         bounds_to_run = bounds
+    # kl_to without a graph takes P in fp32 where the CPU route applies, decided once for the call
+    # (by its largest chunk) so that every chunk's other statistics come from the same P.
+    kl_fp32 = (kl_to is not None and not use_checkpoint
+               and _fp32_on_cpu(query, value, max(i1 - i0 for i0, i1 in bounds)))
     for i0, i1 in bounds_to_run:
         sl = _window_in_chunk(win, i0, i1) if win is not None else None
 
@@ -810,7 +815,7 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             if is_causal:  # top-left: row i sees keys j <= i; built here so the graph does not keep it
                 m_c = _causal_rows(i0, i1, S, q_c.device)
             op_m, op_causal = _op_causality(m_c, i0, is_causal)
-            fp32_p = kl_to is not None and not use_checkpoint and _fp32_on_cpu(q_c, v)
+            fp32_p = kl_fp32
             if fp32_p:  # kl_to needs P in fp32: the CPU kernels give it (the other statistics use it too)
                 o_c, pf, lse_c = attention_with_lse(*_fp32_inputs(q_c, k, v, op_m), 0.0, op_causal, scale=scale,
                                                     enable_gqa=enable_gqa)

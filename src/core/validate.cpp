@@ -323,7 +323,9 @@ void check_backward(const Problem& p, const BackwardArgs& a, const BackwardOutpu
   if (out.grad_key) check_view(*out.grad_key, "grad_key", a.forward.key.shape, false, dev, ErrorCode::BadOutput);
   if (out.grad_value) check_view(*out.grad_value, "grad_value", a.forward.value.shape, false, dev, ErrorCode::BadOutput);
   if (out.grad_attn_mask) {
-    if (!p.attn_mask.present() || p.mask_is_bool)
+    // Given, not present(): an empty mask (L = 0 or S = 0) may have no data pointer and still
+    // gets its (empty) gradient.
+    if (!a.forward.attn_mask || p.mask_is_bool)
       fail(ErrorCode::BadOutput, "grad_attn_mask was requested but there is no float attn_mask to differentiate");
     check_view(*out.grad_attn_mask, "grad_attn_mask", a.forward.attn_mask->shape, false, dev, ErrorCode::BadOutput);
   }

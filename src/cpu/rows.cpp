@@ -380,7 +380,7 @@ void HeadPack::times_value_t(int64_t rows, int64_t cols, float alpha, const floa
 }
 
 int64_t task_chunk(int64_t heads, int64_t blocks_per_head, int threads) {
-  return heads >= 2 * threads ? blocks_per_head : 1;
+  return heads >= 2 * threads ? std::max<int64_t>(blocks_per_head, 1) : 1;  // OpenMP wants a chunk >= 1
 }
 
 float dot_row(const float* a, const float* b, int64_t n) { return dot(a, b, n); }

@@ -147,6 +147,22 @@ def test_head_size_zero_gradients_like_the_math_op(dtype):
         torch.testing.assert_close(ours, ref)
 
 
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_no_query_rows_gives_zero_gradients_like_the_math_op(dtype, device):
+    """L = 0: no row reaches K, V or the mask, so their gradients are zeros, as the math op's. The
+    CPU backward left dK and dV uninitialised there (values like 3e5 or NaN; session 39): with no
+    row blocks, every head counted as one a task writes whole, and no task ran."""
+    q, k, v = (t.to(device) for t in _qkv(dtype, L=0))
+    mask = torch.randn(1, 1, 0, 7, dtype=dtype, device=device)
+    for _ in range(3):  # fresh allocations each time: garbage shows on some of them
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v, mask)]
+        out, probs = sdpa_math.attention(*leaves)
+        grads = torch.autograd.grad((out * 2).sum() + probs.sum(), leaves, allow_unused=True)
+        for g, t in zip(grads, leaves):
+            assert g is None or (g.shape == t.shape and (g == 0).all()), g
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 @pytest.mark.parametrize("how", ["causal", "bool_mask"])
 def test_nan_at_a_key_the_row_does_not_attend_to_is_ignored(how, dtype):

@@ -501,6 +501,26 @@ def test_kl_to_on_the_cpu_returns_the_operators_O_and_rows(dtype, grad):
             torch.testing.assert_close(st[name].double(), st64[name], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("rows", [24, 2])
+def test_kl_to_gradient_near_the_teacher_uses_P_in_fp32(rows):
+    """A student close to its teacher: dS = g (R P − r) is a small difference of P-sized terms,
+    so P rounded to fp16 (relative 5e-4) would be most of it. The gradient to q against float64
+    on the same rounded inputs stays at fp16's own rounding: P in fp32 from the operator's fp32
+    run (24 rows) or from the logits (2 rows, fewer than Ev / 4)."""
+    gen = torch.Generator().manual_seed(12)
+    B, H, S, E = 1, 2, 48, 16
+    q = torch.randn(B, H, rows, E, generator=gen).half()
+    k, v = (torch.randn(B, H, S, E, generator=gen).half() for _ in range(2))
+    _, P = sdpa_math.attention(q.double(), k.double(), v.double())
+    R = torch.softmax(P.log() + 0.01 * torch.randn(P.shape, generator=gen, dtype=F64), -1).half()
+    leaf = q.clone().requires_grad_(True)
+    got = torch.autograd.grad(attention_stats(leaf, k, v, kl_to=R)[1]["kl_to"].sum(), leaf)[0]
+    q64 = q.double().requires_grad_(True)
+    want = torch.autograd.grad(kl_ref(R.double(), sdpa_math.attention(q64, k.double(), v.double())[1]).sum(), q64)[0]
+    err = torch.linalg.norm(got.double() - want) / torch.linalg.norm(want)
+    assert err < 2e-3, err.item()
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("hkv", [4, 2])
 def test_kl_to_of_a_decode_row_on_the_cpu_matches_float64(hkv, dtype):
