@@ -210,15 +210,18 @@ def _kl_rows_from_logits(r, x):
     return torch.where(torch.isneginf(lse) & (R > 0), float("inf"), kl)
 
 
-def _kl_rows_of_fp32_p(r, p, lse, logits_kl):
+def _kl_rows_of_fp32_p(ref, p, lse, q, k, m, scale, enable_gqa):
     """_kl_rows of fp16/bf16 inputs' P taken in fp32 (_fp32_on_cpu), keeping those inputs' rule
     that log P comes from the logits: a row whose KL is +inf from P (r > 0 where P underflows
-    even in fp32, a logit gap past exp's range) takes its KL from logits_kl() (the fp32 logits,
-    _kl_rows_from_logits), finite there; a row with r's mass on a hidden key is +inf either way.
-    Rows of that kind are rare: the logits' passes run only when one is there."""
-    kl = _kl_rows(r, p, lse)
+    even in fp32, a logit gap past exp's range) takes its KL from the fp32 logits of q, k and the
+    mask m (_kl_rows_from_logits), finite there; a row with r's mass on a hidden key is +inf
+    either way. Rows of that kind are rare: the logits' passes run only when one is there."""
+    kl = _kl_rows(ref.to(p.dtype), p, lse)
     inf = torch.isposinf(kl)
-    return torch.where(inf, logits_kl().expand(kl.shape), kl) if inf.any() else kl
+    if not inf.any():
+        return kl
+    return torch.where(inf, _kl_rows_from_logits(ref, _shifted_logits_fp32(q, k, m, scale, enable_gqa)).expand(kl.shape),
+                       kl)
 
 
 def _causal_rows(i0, i1, S, device):
@@ -274,8 +277,7 @@ class _KLChunk(torch.autograd.Function):
         if _fp32_on_cpu(q, v):  # O, the lse and P in fp32 from the CPU kernels
             o, p, lse = ops.forward(*_fp32_inputs(q, k, v, op_m), 0.0, op_causal, None, scale, enable_gqa, None)
             o = o.to(q.dtype)
-            kl = _kl_rows_of_fp32_p(ref.to(stat_dtype), p, lse,
-                                    lambda: _kl_rows_from_logits(ref, _shifted_logits_fp32(q, k, m, scale, enable_gqa)))
+            kl = _kl_rows_of_fp32_p(ref, p, lse, q, k, m, scale, enable_gqa)
         else:
             o, p, lse = ops.forward(q, k, v, op_m, 0.0, op_causal, None, scale, enable_gqa, None)
             if p.dtype in (torch.float16, torch.bfloat16):  # to P's lead shape (q, k and r may lack dims of v's)
@@ -815,11 +817,10 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             if is_causal:  # top-left: row i sees keys j <= i; built here so the graph does not keep it
                 m_c = _causal_rows(i0, i1, S, q_c.device)
             op_m, op_causal = _op_causality(m_c, i0, is_causal)
-            fp32_p = kl_fp32
-            if fp32_p:  # kl_to needs P in fp32: the CPU kernels give it (the other statistics use it too)
+            if kl_fp32:  # kl_to needs P in fp32: the CPU kernels give it (the other statistics use it too)
                 o_c, pf, lse_c = attention_with_lse(*_fp32_inputs(q_c, k, v, op_m), 0.0, op_causal, scale=scale,
                                                     enable_gqa=enable_gqa)
-                o_c, p_c = o_c.to(q_c.dtype), pf.to(q_c.dtype) if sl is not None else None
+                o_c = o_c.to(q_c.dtype)  # P in the inputs' dtype: only the window's rows (below)
             else:
                 o_c, p_c, lse_c = attention_with_lse(q_c, k, v, op_m, 0.0, op_causal, scale=scale,
                                                      enable_gqa=enable_gqa)
@@ -830,22 +831,21 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             if row_entropy:
                 res.append(-(pf * torch.log(torch.where(pf > 0, pf, torch.ones_like(pf)))).sum(-1))
             if kl_to is not None:  # fp16/bf16: log P from fp32 P or fp32 logits, not from the rounded P
-                half = q_c.dtype in (torch.float16, torch.bfloat16) and not fp32_p
+                half = q_c.dtype in (torch.float16, torch.bfloat16) and not kl_fp32
                 if _tracked(q_c, k, m_c, ref_c):
                     res.append(_kl_rows_autograd(ref_c.to(stat_dtype), pf,
                                                  _log_probs_fp32(q_c, k, m_c, scale, enable_gqa) if half else None))
                 elif half:
                     res.append(_kl_rows_from_logits(ref_c, _shifted_logits_fp32(q_c, k, m_c, scale, enable_gqa))
                                .expand(p_c.shape[:-1]))
-                elif fp32_p:
-                    res.append(_kl_rows_of_fp32_p(ref_c.to(stat_dtype), pf, lse_c, lambda: _kl_rows_from_logits(
-                        ref_c, _shifted_logits_fp32(q_c, k, m_c, scale, enable_gqa))))
+                elif kl_fp32:
+                    res.append(_kl_rows_of_fp32_p(ref_c, pf, lse_c, q_c, k, m_c, scale, enable_gqa))
                 else:
                     res.append(_kl_rows(ref_c.to(stat_dtype), pf, lse_c))
             if head_mean:
                 res.append(pf.mean(-3))
             if sl is not None:
-                res.append(p_c[..., sl, :].clone())
+                res.append(pf[..., sl, :].to(q_c.dtype) if kl_fp32 else p_c[..., sl, :].clone())
             return tuple(res)
 
         args = (query[..., i0:i1, :], key, value, None if is_causal else _rows_of(attn_mask, i0, i1),
