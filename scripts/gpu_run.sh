@@ -104,9 +104,9 @@ for stage in $stages; do
       # (tests/gpu/kl_profile.py).
       log "kl_to: tests and sanitizers on CUDA, profile"
       # kl_to's forward runs PyTorch's cuDNN attention, whose kernel racecheck reports (2 hazards
-      # in runs v60 and v62), which is not ours to fix: the log names each reported kernel, so a
+      # on every run so far), which is not ours to fix: the log names each reported kernel, so a
       # hazard in ours shows. (Filtering racecheck to our kernels, --kernel-name kns=sdpa_math,
-      # made the sanitizer fail on a hardware exception, v61/v62.)
+      # made the sanitizer fail on a hardware exception.)
       for tool in memcheck racecheck synccheck; do
         ( timeout 200 compute-sanitizer --tool $tool --print-limit 10 python3 tests/gpu/sanitize_cases.py kl > "$OUT/sanitizer-kl-$tool.full" 2>&1
           { sed -nE -e 's/.*(Read|Write) access at (.*)\+0x[0-9a-f]+.*/\1 \2/p' -e 's/^=+ +at (.*)\+0x[0-9a-f]+.*/at \1/p' \

@@ -134,7 +134,7 @@ void backward(const core::Problem& p, const BackwardArgs& args, const BackwardOu
   // head, or a whole head per chunk) and no other head shares them (no GQA or broadcast on K (V)):
   // it then writes them outright (the keys no row sees: zeros), with no zeroing pass or lock.
   // No query rows (L = 0): no task writes a head, so nothing is owned and the zeroing pass writes
-  // dK and dV (they were left uninitialised before, session 39).
+  // dK and dV (without it they would be left uninitialised).
   const bool whole_heads = blocks_per_head > 0 && (blocks_per_head == 1 || chunk == blocks_per_head);
   const bool k_rows_owned = whole_heads && p.key.own_shape.numel() == p.num_lead * S * E;
   const bool v_rows_owned = whole_heads && p.value.own_shape.numel() == p.num_lead * S * Ev && has_dO;

@@ -26,7 +26,7 @@ struct AView {
 //   baseline (SSE2): 6 x 2 xmm of 4 floats, 15 of 16.
 // (One 8 x 2 x 16-float tile for every level made the AVX2 forward 10x slower: GCC split each
 // 64-byte vector into two ymm, 32 accumulators for 16 registers, and built each broadcast of A
-// through the stack; bench/NOTES.md, session 35.)
+// through the stack.)
 // Columns are taken in panels of kTileVecs vectors, then one vector, then (AVX-512) 8 floats,
 // and the last fewer than kTailWidth are padded (narrow_tail).
 using Vec = vf32;

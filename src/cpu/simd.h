@@ -2,8 +2,8 @@
 // ISA, 16 floats (AVX-512), 8 (AVX2) or 4 (the baseline's SSE2), so that every operation on it is
 // one instruction. (A wider type is legal, and the compiler splits its arithmetic, but GCC 12
 // lowers its compares and selects lane by lane through the stack: with 16-float vectors on AVX2
-// the forward ran about 20x slower, its products' tile and the softmax's compares together;
-// bench/NOTES.md, session 35.) GCC does not vectorise the scalar forms of the softmax's loops
+// the forward ran about 20x slower, its products' tile and the softmax's compares together.)
+// GCC does not vectorise the scalar forms of the softmax's loops
 // (std::max, std::floor keep NaN and rounding-mode semantics that need -ffast-math to drop), so
 // the kernels are written on these.
 #pragma once
@@ -53,8 +53,7 @@ inline vf32 splat(float x) { return vf32{} + x; }
 // cache lines would otherwise be read in before being overwritten. Callers end with
 // streaming_fence() before another thread reads what they wrote. No 16-byte (SSE) form: the
 // baseline's 8-float panels wrote half of each row's cache line per panel, 16 bytes at a time,
-// and a decode backward ran 4x slower on a Xeon than with plain stores (bench/NOTES.md, session
-// 35).
+// and a decode backward ran several times slower on a Xeon than with plain stores.
 template <class V>
 inline void store_streaming(float* p, V v) {
   if (reinterpret_cast<uintptr_t>(p) % sizeof(V) == 0) {

@@ -20,7 +20,7 @@ namespace {
 // The views' strides over the reference's rows (its first nd - 1 dims, row-major) and their
 // column strides. Row n's index is unravelled once per warp and each view's offset is a dot
 // product of it: the int64 divisions cost as much as a 1K-key row's arithmetic when they were
-// repeated for every view (run v58: 0.084 ms against ~0.035 of memory time).
+// repeated for every view (the kernel then ran at less than half its memory time).
 enum View { kRef, kQuery, kKeys, kLse, kKl, kRowSum, kViews };
 struct RowsLayout {
   int nd = 0;                           // dims of the reference
@@ -40,7 +40,8 @@ SDPA_MATH_D Acc as_acc(T x) {
 // Eight rows (warps) a block, at least four blocks an SM (at most 64 registers). The kernel is a
 // stream: every load a warp needs is issued before the first is used (the row vectors first,
 // then four 16-byte chunks of the row a lane), so a row costs one memory latency, not several.
-// v59's first version summed q·u in a loop of dependent loads after the row and ran at 1.25 TB/s.
+// (A first version summed q·u in a loop of dependent loads after the row: a fraction of the
+// memory rate.)
 // TYPED_QU: q in r's dtype and u in Acc's, both with unit column stride and E ≤ 256 (8 a lane),
 // loaded directly; other layouts go through the dtype switch one element at a time.
 template <typename T, typename Acc, bool VEC, bool TYPED_QU>
@@ -95,8 +96,8 @@ __global__ void __launch_bounds__(256, 4) kl_rows_kernel(const T* __restrict__ r
   const T* row = r + off[kRef];
   Acc sum = 0, h = 0, hid = 0;
   // h sums x log2 x (times ln 2 at the end) with the hardware's log2 for fp32: an absolute error
-  // of about 2^-22 a term, R · 2^-22 a row, where the accurate logf cost 4x the row's memory time
-  // (0.137 against ~0.035 ms for 128 MB, run v53). 0 log 0 = 0; a negative entry gives NaN.
+  // of about 2^-22 a term, R · 2^-22 a row, where the accurate logf made the kernel several
+  // times slower than its memory time. 0 log 0 = 0; a negative entry gives NaN.
   auto add = [&](Acc x) {
     sum += x;
     if constexpr (sizeof(Acc) == 8) h += x != Acc(0) ? x * log2(x) : Acc(0);

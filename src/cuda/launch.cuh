@@ -29,8 +29,8 @@ class DeviceGuard {
     // cudaSetDevice even when the device is already the current one: a thread that has made no
     // runtime call that needs a context yet (autograd's device thread, when our backward is the
     // first op it runs) reports device 0 with no context bound, and the driver's tensor-map
-    // encoder then fails, so the Hopper kernels were declined there (run v56: kl_to's backward
-    // as the first op of that thread raised "the TMA unit cannot address q or k").
+    // encoder then fails, so the Hopper kernels were declined there (kl_to's backward as the
+    // first op of that thread raised "the TMA unit cannot address q or k").
     if (index >= 0) {
       check_cuda(cudaSetDevice(index), "cudaSetDevice");
       changed_ = index != previous_;

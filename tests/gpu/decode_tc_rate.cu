@@ -1,6 +1,6 @@
-// A measuring tool for decode on tensor cores (bench/NOTES.md, sessions 35 and 36): how fast can one pass
-// over K and V run when the dot products and the update of O are mma.sync m16n8k16 instead of
-// 80 CUDA-core instructions a key (decode_partial, ncu v135)? A standalone prototype of
+// A measuring tool for decode on tensor cores: how fast can one pass over K and V run when the
+// dot products and the update of O are mma.sync m16n8k16 instead of about 80 CUDA-core
+// instructions a key (decode_partial's count under Nsight Compute)? A standalone prototype of
 // decode_partial's job for fp16, head size 128, no mask, causal or dropout: per (key head, block
 // of 256 keys), the masked logits of the block's keys, the block's max m_b, sum l_b of
 // exp(s - m_b) and unnormalized share of O, for the R <= 8 query rows that read that key head
@@ -17,7 +17,7 @@
 // 2t+9 of a 16-key chunk, 8 dimensions each, and pairs them with byte permutes; the output
 // dimensions are permuted too (n = g stands for dimension 64 z + 8 g + j of n-tile (z, j)), which
 // only changes where each lane writes O. No shared memory for K and V, no ldmatrix.
-// partial_tc_t (session 36) takes the products transposed, K Q^T and V^T P^T, as the package's
+// partial_tc_t takes the products transposed, K Q^T and V^T P^T, as the package's
 // decode_partial_tc does: configurations from index 11 on.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>

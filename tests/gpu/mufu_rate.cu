@@ -1,6 +1,6 @@
 // How many base-2 exponentials an H200 SM takes per clock: MUFU.EX2 (ex2.approx.ftz.f32) alone, a
 // polynomial 2^x on the FMA pipe alone, and the two interleaved half and half. A measuring tool
-// for the forward's softmax (bench/NOTES.md, session 25), no sdpa_math code.
+// for the forward's softmax (how many exponentials a tile may cost), no sdpa_math code.
 //
 //   nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -O3 -o mufu_rate tests/gpu/mufu_rate.cu && ./mufu_rate
 //

@@ -2,7 +2,7 @@
 // warpgroups doing the same: the forward's products (S = Q Kᵀ: m64 x n x k128, operands in shared
 // memory) issued as the forward issues them (k/16 instructions, commit, wait for the group), for
 // n = 128 (the kernel's key tiles) and n = 64 (half-size tiles). A measuring tool for the forward's
-// design (bench/NOTES.md, session 25), built on the kernels' own wrappers (src/cuda/sm90/hopper.cuh).
+// design (what a tile's products cost at each occupancy), built on the kernels' own wrappers (src/cuda/sm90/hopper.cuh).
 //
 //   nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -O3 -Iinclude -Isrc -o wgmma_rate tests/gpu/wgmma_rate.cu && ./wgmma_rate
 //

@@ -167,8 +167,8 @@ def test_auto_takes_the_decode_kernels_rows_alone_too():
 
 def test_keys_past_the_statistics_grid_keep_the_plain_forward_and_leave_the_statistics_to_others():
     """S = 150 million keys (K and V one row broadcast over the keys, no memory): more 2048-key
-    chunks than a grid's second dimension takes (65535). The statistics kernels decline it (review,
-    session 37: they threw CudaFailure from forward_stats instead of declining), and the plain
+    chunks than a grid's second dimension takes (65535). The statistics kernels decline it (a
+    review found they threw CudaFailure from forward_stats instead of declining), and the plain
     decode forward, whose finalize takes 4096 keys a CTA, still runs it."""
     S = 150_000_000
     q = torch.randn(1, 1, 1, 8, device="cuda")  # fp32: P = 1 / S is below fp16's subnormals

@@ -84,7 +84,7 @@ def test_sm90_bool_mask_with_a_scale_that_rounds_to_zero(dtype):
     """A scale below fp32's smallest subnormal is 0 in the kernel: every visible logit is 0, so P
     is uniform over the visible keys and 0 at the hidden one. Clean tiles of a bool mask keep raw
     scores (-inf at hidden keys) only with a positive fp32 scale: with the scale tested as a
-    double, -inf times 0 made the row NaN (review, session 28)."""
+    double, -inf times 0 made the row NaN."""
     B, H, L, S, E = 1, 2, 128, 256, 64
     gen = torch.Generator(device="cuda").manual_seed(5)
     q, k, v = (torch.randn(B, H, n, E, generator=gen, device="cuda").to(dtype) for n in (L, S, S))

@@ -117,7 +117,7 @@ def test_one_pass_nan_and_fully_masked_rows(dtype):
 def test_one_pass_entropy_after_a_left_padding_at_finfo_min(dtype, mask_dtype):
     """Hugging Face's padding: the first 200 keys of batch 0 held at finfo.min, so its rows' first
     128-key tile is wholly masked and the max then jumps by about FLT_MAX. The one-pass rescale
-    of the entropy's sum must not make 0 · inf (review, session 18)."""
+    of the entropy's sum must not make 0 · inf."""
     q, k, v, _, kw = inputs("float32_mask", dtype)
     mdt = torch.float32 if mask_dtype == "float32" else dtype
     mask = torch.zeros(q.shape[0], 1, q.shape[-2], k.shape[-2], dtype=mdt, device="cuda")

@@ -536,7 +536,7 @@ def test_kl_to_under_deterministic_algorithms_keeps_the_chunks():
 def test_kl_backward_runs_its_kernel_from_a_fresh_thread():
     """Autograd runs a CUDA backward on its own device thread. When our op is the first that thread
     runs, no CUDA context is bound to it yet, and the driver's tensor-map encoding failed there
-    (run v56: kl_to's backward raised in a fresh process). The op now binds the device's context
+    (kl_to's backward raised in a fresh process). The op now binds the device's context
     itself; a thread that has made no CUDA call gets the same gradients as the main thread."""
     gen = torch.Generator().manual_seed(37)
     q, k, v = (torch.randn(2, 4, 128, 64, generator=gen).cuda().half() for _ in range(3))

@@ -151,7 +151,7 @@ def test_head_size_zero_gradients_like_the_math_op(dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 def test_no_query_rows_gives_zero_gradients_like_the_math_op(dtype, device):
     """L = 0: no row reaches K, V or the mask, so their gradients are zeros, as the math op's. The
-    CPU backward left dK and dV uninitialised there (values like 3e5 or NaN; session 39): with no
+    CPU backward once left dK and dV uninitialised there (values like 3e5 or NaN): with no
     row blocks, every head counted as one a task writes whole, and no task ran."""
     q, k, v = (t.to(device) for t in _qkv(dtype, L=0))
     mask = torch.randn(1, 1, 0, 7, dtype=dtype, device=device)
@@ -271,7 +271,7 @@ def test_dropout_mask_is_read_only_inside_its_rows(device, dtype):
     # GQA decode (4 query rows, groups of 2 heads) over 235 keys, so the decode kernel's last key
     # step is partial; the explicit dropout mask is a slice of a wider tensor whose extra columns
     # are NaN, and must give exactly what its contiguous copy gives. (The CUDA decode kernel read
-    # the mask at keys past the row's end until session 16. Those reads could not change a result,
+    # the mask at keys past the row's end before a fix. Those reads could not change a result,
     # since a key past the end has weight 0 and any mask value reads as 0 or 1, so this test
     # passed before the fix too. They were still reads outside the row, and initcheck found them.
     # The sanitizer stage of scripts/gpu_run.sh over the fuzz problems is what shows them gone.)

@@ -82,7 +82,7 @@ def test_every_sm90_forward_kernel_uses_hgmma_and_tma(sm90_forward):
 def test_unmasked_sm90_forward_keeps_registers_out_of_local_memory(sm90_forward):
     # MaskKind 0 (no mask) is the anchors' kernel: a spill there costs every unmasked call. (The
     # statistics kernels are not held to it: their column sums' registers push the head-128 one
-    # past its 232; bench/NOTES.md, session 17.)
+    # past its 232 registers.)
     unmasked = {n: b for kind in sm90_forward[:2] for n, b in kind.items() if "MaskKindE0E" in n}
     assert len(unmasked) == 8
     for name, body in unmasked.items():

@@ -357,7 +357,7 @@ def test_kl_to_of_empty_shapes(shape, dtype, device):
 def test_kl_to_in_fp16_stays_finite_where_P_underflows():
     """Peaky fp16 attention: many P underflow to 0 in fp16 under a uniform teacher. log P comes
     from fp32 logits, so the KL and its gradients stay finite and near float64's (taking it from
-    the fp16 P gave an infinite KL and NaN gradients, session 18)."""
+    the fp16 P gave an infinite KL and NaN gradients)."""
     torch.manual_seed(0)
     q = (torch.randn(1, 2, 64, 32) * 3).half().requires_grad_()
     k = (torch.randn(1, 2, 80, 32) * 3).half().requires_grad_()

@@ -2,10 +2,10 @@
 // sdpa_math::forward, and an error (not silent zeros) for a second derivative through
 // sdpa_math::backward.
 //
-// Why C++: a forward with autograd through torch.library's Python registration spent about 25 µs
-// of host time per call in Python (argument defaults, the context, redispatch) on top of the
-// kernel's 10 µs, and the backward as much again; at the sizes of a training step the host, not
-// the GPU, set the pace (bench/NOTES.md, session 15). The kernels below autograd are reached
+// Why C++: a forward with autograd through torch.library's Python registration spent several
+// times a small kernel's own time on the host in Python (argument defaults, the context,
+// redispatch), and the backward as much again; at the sizes of a training step the host, not
+// the GPU, set the pace (bench/host_overhead.py measures it). The kernels below autograd are reached
 // through the dispatcher, so fake tensors (torch.compile) and every backend take the same path.
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>

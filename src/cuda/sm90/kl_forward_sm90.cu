@@ -9,22 +9,21 @@
 // each of two consumer warpgroups forms S = Q_w Kᵀ for its 64 rows with wgmma (Q loaded once, in
 // shared memory) and folds the reference's tile into three running sums a row: Σ r log2 r, Σ r s
 // and Σ r. So the reference is read once, from DRAM, and the product r K that the general path
-// (kl_rows) needs as its own GEMM over the reference is never formed: prefill1k_d128 spent 0.072
-// (kl_rows) + 0.051 ms (r K) on two passes over 128 MiB of reference (run v61).
+// (kl_rows) needs as its own GEMM over the reference is never formed: that path reads the
+// reference twice (once for r K, once for kl_rows), this kernel once.
 //
 // Causal: key tiles wholly right of a warpgroup's rows skip the product (their r must still be
 // read: mass there makes the KL +inf), and the producer loads no K for tiles no row of the CTA
 // sees.
 //
-// Speed (H200, prefill1k_d128 fp16): 0.094 ms (runs v70, v71) against 0.123 for r K + kl_rows
-// (v61), and against ~0.045 predicted from its memory time. Nsight Compute of the previous
-// version (v69): one CTA an SM (225 KiB of shared memory), two warps a scheduler, DRAM at 33 % of
-// peak, and the largest stall "long scoreboard" (1.4 of ~5.4 cycles an instruction), which we
-// read as waiting for the tile's barrier. Cutting the fold from ~15 instructions an element to
-// ~6 (v69 → v70) gave 11 %, so the issue rate is not what limits it; the depth of the load
-// pipeline at one CTA an SM is the likely limit (v70 itself was not profiled). Next: more loads
-// in flight (smaller key tiles with more stages, or K and the reference in separate rings) and
-// more than two warps a scheduler.
+// What limits it: it is faster than r K + kl_rows but still well above the time its memory
+// traffic needs (bench/NOTES.md has the measurements). Nsight Compute showed one CTA an SM (225
+// KiB of shared memory), two warps a scheduler, DRAM far from its peak and "long scoreboard" as
+// the largest stall, which we read as waiting for the tile's barrier. Cutting the fold's
+// instructions by more than half gained only about a tenth, so the issue rate is not the limit;
+// the depth of the load pipeline at one CTA an SM is the likely one. Ways on, not tried: more
+// loads in flight (smaller key tiles with more stages, or K and the reference in separate rings)
+// and more than two warps a scheduler.
 #include <cudaTypedefs.h>
 
 #include <cstdint>
@@ -84,8 +83,8 @@ enum class Keys { All, Diagonal, Hidden };
 // as log x does, while one in (-1e-30, 0), which only bf16 holds, is taken as 0); xs += x s on
 // the keys the row sees (on a diagonal tile a hidden key adds 0 · s, NaN if s is not finite,
 // where the reference skips it); hid += x on those it does not. About six
-// instructions an element on the tiles every row sees (v69's fold, with a select per element
-// everywhere and a min and a max for the log's domain, took about fifteen: v70 is 11 % faster).
+// instructions an element on the tiles every row sees (an earlier fold with a select per element
+// everywhere and a min and a max for the log's domain took about fifteen, and was slower).
 // `at` is this thread's byte address of pair (row warp*16 + g, 16-byte chunk 0 of block 0) in
 // the warpgroup's swizzled tile (swizzled_row_at, hopper.cuh), so chunk n of its row is at
 // swizzled_chunk(at, n). That holds only while every tile starts on a 1024-byte boundary.
@@ -209,8 +208,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   float s[64];
   // Waits for tile kt and forms S = Q_w Kᵀ in s. Not overlapped with the previous tile's fold
   // inside a warpgroup (the other warpgroup's work fills the gap): two accumulators and five
-  // inlined copies of the fold made the instruction cache stall the warps (run v68: 1.2 of 6.4
-  // cycles an instruction "no instruction") and left one load in flight, not two.
+  // inlined copies of the fold made the instruction cache stall the warps (Nsight Compute's "no
+  // instruction" stall became a large share of each instruction's cycles) and left one load in
+  // flight, not two.
   auto product = [&](int kt) {
     const int st = kt % C::kStages;
     mbar_wait(&full[st], (kt / C::kStages) & 1);

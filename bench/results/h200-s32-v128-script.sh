@@ -1,5 +1,0 @@
-#!/usr/bin/env bash
-# session 32, run v128 (the command as run, on the machine still warm from v127): the pip build of
-# v127 (/tmp/site, branch natural-fold), its tests (all of test_build.py but the wheel route,
-# which v127's 100 s limit cut short), then memcheck, synccheck and racecheck on sanitize_cases.
-export PYTHONUNBUFFERED=1; { ls -d /tmp/site >/dev/null 2>&1 && echo "pip build of v127 present" || { echo "no /tmp/site"; exit 3; }; export PYTHONPATH=/tmp/site; (cd tests/python && timeout 150 python3 -m pytest -q -p no:cacheprovider test_build.py -k "not wheel" test_cuda_sm90.py test_nonfinite.py test_sass.py test_cuda_sm90_stats.py 2>&1 | grep -E "FAILED|passed|failed|rror" | head -10); for tool in memcheck synccheck racecheck; do echo "-- $tool"; timeout 75 compute-sanitizer --tool $tool --print-limit 10 python3 tests/gpu/sanitize_cases.py > /tmp/san.full 2>&1; grep -E "^=+ +(Invalid|Race|Barrier|Error|Warning)" /tmp/san.full | sed -E 's/\+0x[0-9a-f]+//' | sort | uniq -c | cut -c1-200 | head -4; tail -2 /tmp/san.full; done; } 2>&1 | tee $OUT/results.txt
