@@ -16,8 +16,9 @@ needs cuobjdump (and uses c++filt, when on PATH, to demangle names).
   sass_compare.py compare BEFORE.json AFTER.json [--strict-opcodes OP,...]
       One line per kernel: registers and instruction totals before -> after, and the opcodes
       whose counts differ; then the kernels only one side has, and a verdict line. Exits 1 when
-      a kernel of BEFORE is missing from AFTER, or a kernel's registers, stack, or count of an
-      opcode in --strict-opcodes (default HGMMA,MUFU) changed; else 0.
+      a kernel of BEFORE is missing from AFTER, or a kernel's registers or count of an opcode in
+      --strict-opcodes (default HGMMA,MUFU) changed (with --strict-stack, its stack frame too);
+      else 0. A changed stack frame (spills: see the LDL/STL counts) is always flagged "stack".
 """
 import argparse
 import json
@@ -155,6 +156,7 @@ def cmd_compare(args):
         after = json.load(f)
     strict = [s for s in args.strict_opcodes.split(",") if s]
     failures = []
+    stack_notes = []
     same_mix = 0
     tot_b = tot_a = 0
     for name in sorted(before):
@@ -172,12 +174,15 @@ def cmd_compare(args):
         bad = []
         if b.get("registers") != a.get("registers"):
             bad.append("registers")
-        if b.get("stack") != a.get("stack"):
-            bad.append("stack")
+        stack_changed = b.get("stack") != a.get("stack")
+        if stack_changed:
+            stack_notes.append(name)
+            if args.strict_stack:
+                bad.append("stack")
         bad += [op for op, x, y in diffs if op in strict]
         if not diffs:
             same_mix += 1
-        tag = "FAIL" if bad else ("same" if not diffs else "diff")
+        tag = "FAIL" if bad else ("same" if not diffs else ("diff" if not stack_changed else "stack"))
         diff_text = " ".join(f"{op} {x}->{y}" for op, x, y in diffs) if diffs else "same opcode counts"
         print(
             f"{tag:4}  {short(name)}\n"
@@ -194,11 +199,13 @@ def cmd_compare(args):
         f"TOTAL    kernels before {len(before)}, after {len(after)}, compared {common}, "
         f"identical opcode counts {same_mix}/{common}; instructions {tot_b} -> {tot_a} ({tot_a - tot_b:+d})"
     )
+    if stack_notes:
+        print(f"STACK    {len(stack_notes)} kernel(s) with another stack frame (see their LDL/STL counts)")
     if failures:
         print(f"VERDICT  FAIL: {len(failures)} problem(s): " + "; ".join(short(f, 200) for f in failures[:10]))
         return 1
     print(
-        "VERDICT  OK: every kernel present, registers, stack and "
+        "VERDICT  OK: every kernel present, registers and "
         + "/".join(strict)
         + " counts unchanged"
         + ("" if same_mix == common else f" ({common - same_mix} kernel(s) with other opcode count differences)")
@@ -217,6 +224,7 @@ def main():
     c.add_argument("before")
     c.add_argument("after")
     c.add_argument("--strict-opcodes", default="HGMMA,MUFU")
+    c.add_argument("--strict-stack", action="store_true", help="fail on a changed stack frame as well")
     args = ap.parse_args()
     if args.cmd == "summarize":
         cmd_summarize(args)

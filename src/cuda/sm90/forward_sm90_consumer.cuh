@@ -53,6 +53,7 @@ struct Consumer {
   static constexpr bool kPlanned = kMasked && !STATS && MASK != MaskKind::Bool;
   static constexpr float kNegInf = -INFINITY;
   using Mask = MaskPair<T, MASK == MaskKind::None ? MaskKind::Bool : MASK, !kNatural>;
+  static constexpr int kMaskGroups = kMasked ? kBN / 8 : 1;  // 8-key groups whose mask pairs a thread keeps
 
   // The launch's and the CTA's (kernel parameters and the kernel's locals).
   const CUtensorMap& tm_p;
@@ -68,12 +69,8 @@ struct Consumer {
   // Warpgroup cw holds rows i0 + 64 cw .. + 63; this thread rows row[0] and row[0] + 8 (quad g
   // of its warp), keys 8n + 2t, + 1 of each 8-key group n of a tile.
   int cw, tid, warp, lane, g, t;
-  int64_t row[2];
-  bool row_ok[2];
   int64_t warp_row0;
   T* P;
-  T* p_row[2] = {nullptr, nullptr};  // where this thread's rows of P go (STATS: window rows only)
-  const char* m_row[2] = {nullptr, nullptr};
   int plan_warp;
   float scale;
   const T* q_rows;  // this warpgroup's 64 rows of each column block
@@ -83,28 +80,39 @@ struct Consumer {
   T* p_tile;
   int p_bar;  // named barrier of this warpgroup's 128 threads
   bool p_leader;
-  int cp[3] = {0, 0, 0};
   bool fold;
   int turns, turn = 0;
-  // The mask's pairs for this thread's elements of the tile load_mask took last.
-  typename Mask::Raw mask_pairs[kMasked ? kBN / 8 : 1][2] = {};
   bool pairs_masked = true;  // kPlanned: whether the tile whose pairs load_mask took changes a logit
+  int kt = 0;                // uses of the K ring so far (its stage and phase)
+  float* col_buf;            // STATS: 2 x [4 warps][kBN] column sums
+  float* col_out;            // STATS: this warpgroup's partial row of column sums
 
-  // The softmax's: each row's max (the reference of the exponents) and sum, 1 / l, and (one-pass
-  // statistics CTAs) the running max; STATS: Σ u (m − x) over this thread's elements of each row.
-  float m[2] = {kNegInf, kNegInf}, l[2] = {0.0f, 0.0f};
-  int kt = 0;  // uses of the K ring so far (its stage and phase)
-  float inv_l[2] = {0.0f, 0.0f};
-  float run_max[2];
-  float h[2];
-  float* col_buf;   // STATS: 2 x [4 warps][kBN] column sums
-  float* col_out;   // STATS: this warpgroup's partial row of column sums
-  uint32_t p_addr[4];  // stmatrix row addresses (prepare_pass2)
-  float o[D / 2];
+  // The arrays: each an object of its own (a local of consume(), forward_sm90_kernel.cuh),
+  // referred to from here. Arrays indexed in loops that only unrolling makes constant keep the object they lie
+  // in from being split into registers until then; as members they would hold every scalar
+  // above in memory as long, and the optimiser would see another kernel.
+  int64_t (&row)[2];
+  bool (&row_ok)[2];
+  T* (&p_row)[2];             // where this thread's rows of P go (STATS: window rows only)
+  const char* (&m_row)[2];    // this thread's rows of the mask
+  int (&cp)[3];               // the P map's coordinates of this head
+  typename Mask::Raw (&mask_pairs)[kMaskGroups][2];  // the pairs of the tile load_mask took last
+  // The softmax's: each row's max (the reference of the exponents) and sum, 1 / l, the running
+  // max (one-pass statistics CTAs) and (STATS) Σ u (m − x) over this thread's elements.
+  float (&m)[2];
+  float (&l)[2];
+  float (&inv_l)[2];
+  float (&run_max)[2];
+  float (&h)[2];
+  uint32_t (&p_addr)[4];  // stmatrix row addresses (prepare_pass2)
+  float (&o)[D / 2];
 
   SDPA_MATH_D Consumer(const CUtensorMap& tm_p_, const DevProblem& p_, const Args& a_, const StatsArgs& st_,
                        const Smem<T, D, STATS>& sm_, TraceState& tr_, int64_t tiles_, int64_t lead_, int64_t row_tile_,
-                       int64_t i0_, int n_tiles_, bool one_pass_);
+                       int64_t i0_, int n_tiles_, bool one_pass_, int64_t (&row_)[2], bool (&row_ok_)[2], T* (&p_row_)[2],
+                       const char* (&m_row_)[2], int (&cp_)[3], typename Mask::Raw (&mask_pairs_)[kMaskGroups][2],
+                       float (&m_)[2], float (&l_)[2], float (&inv_l_)[2], float (&run_max_)[2], float (&h_)[2],
+                       uint32_t (&p_addr_)[4], float (&o_)[D / 2]);
 
   // Steps (this file).
   SDPA_MATH_D bool tile_is_clean(int64_t j0) const;
@@ -143,9 +151,14 @@ SDPA_MATH_D Consumer<T, D, MASK, STATS, P_COPY>::Consumer(const CUtensorMap& tm_
                                                           const Args& a_, const StatsArgs& st_,
                                                           const Smem<T, D, STATS>& sm_, TraceState& tr_,
                                                           int64_t tiles_, int64_t lead_, int64_t row_tile_,
-                                                          int64_t i0_, int n_tiles_, bool one_pass_)
+                                                          int64_t i0_, int n_tiles_, bool one_pass_,
+                                                          int64_t (&row_)[2], bool (&row_ok_)[2], T* (&p_row_)[2],
+                       const char* (&m_row_)[2], int (&cp_)[3], typename Consumer::Mask::Raw (&mask_pairs_)[Consumer::kMaskGroups][2],
+                       float (&m_)[2], float (&l_)[2], float (&inv_l_)[2], float (&run_max_)[2], float (&h_)[2],
+                       uint32_t (&p_addr_)[4], float (&o_)[D / 2])
     : tm_p(tm_p_), p(p_), a(a_), st(st_), sm(sm_), tr(tr_), tiles(tiles_), lead(lead_), row_tile(row_tile_), i0(i0_),
-      n_tiles(n_tiles_), one_pass(one_pass_) {
+      n_tiles(n_tiles_), one_pass(one_pass_), row(row_), row_ok(row_ok_), p_row(p_row_), m_row(m_row_), cp(cp_),
+      mask_pairs(mask_pairs_), m(m_), l(l_), inv_l(inv_l_), run_max(run_max_), h(h_), p_addr(p_addr_), o(o_) {
   cw = static_cast<int>(threadIdx.x / 128) - 1;
   tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
   row[0] = i0 + cw * 64 + warp * 16 + g;

@@ -14,6 +14,48 @@
 
 namespace sdpa_math::cuda::sm90::fwd {
 
+// A consumer warpgroup's thread, from Q's arrival to the stores of O, P's tail and the
+// statistics. The Consumer's arrays are locals here, each an object of its own (see Consumer).
+template <typename T, int D, MaskKind MASK, bool STATS, bool P_COPY>
+SDPA_MATH_D void consume(const CUtensorMap& tm_p, const DevProblem& p, const Args& a, const StatsArgs& st,
+                         const Smem<T, D, STATS>& sm, TraceState& tr, int64_t tiles, int64_t lead, int64_t row_tile,
+                         int64_t i0, int n_tiles, bool one_pass) {
+  using Cons = Consumer<T, D, MASK, STATS, P_COPY>;
+  int64_t row[2];
+  bool row_ok[2];
+  T* p_row[2] = {nullptr, nullptr};
+  const char* m_row[2] = {nullptr, nullptr};
+  int cp[3] = {0, 0, 0};
+  typename Cons::Mask::Raw mask_pairs[Cons::kMaskGroups][2] = {};
+  float m[2] = {Cons::kNegInf, Cons::kNegInf}, l[2] = {0.0f, 0.0f}, inv_l[2] = {0.0f, 0.0f}, run_max[2], h[2];
+  uint32_t p_addr[4];
+  float o[D / 2];
+  Cons c(tm_p, p, a, st, sm, tr, tiles, lead, row_tile, i0, n_tiles, one_pass, row, row_ok, p_row, m_row, cp, mask_pairs,
+         m, l, inv_l, run_max, h, p_addr, o);
+  c.load_mask(0);  // the first tile's pairs, for pass 1 (or pass 2 of a one-pass CTA)
+  mbar_wait(sm.q_full, 0);
+  FWD_STAMP(trace::kStart);
+  c.pass1();
+  if (!one_pass) c.finish_rows();
+  c.prepare_pass2();
+  if constexpr (Cons::kOverlap) c.pass2_overlapped();
+  else c.pass2();
+  if constexpr (!STATS && !P_COPY) {
+    if (c.p_leader) bulk_wait_read<0>();  // shared memory outlives the last store's reads
+  }
+  if (one_pass) c.finish_rows();
+  c.store_o();
+
+  FWD_STAMP(trace::kEnd);
+#ifdef SDPA_MATH_FWD_TRACE
+  if constexpr (!STATS) {
+    if (threadIdx.x == 128) trace::cta_info(2);
+  }
+#endif
+  if constexpr (STATS) c.stats_epilogue();
+  else c.fill_tail();
+}
+
 // One CTA: 128 query rows (row tile `tiles - 1 - blockIdx.x / leads`, the longest causal row
 // blocks first) of one head (lead a.lead0 + blockIdx.x % leads). Warpgroup 0 produces (TMA
 // loads), warpgroups 1 and 2 consume (Consumer: two passes over the key tiles, P and O out).
@@ -22,7 +64,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     forward_sm90(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                  const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_p, const DevProblem p,
                  const Args a, const StatsArgs st, const int64_t tiles) {
-  using Cons = Consumer<T, D, MASK, STATS, P_COPY>;
   static_assert(!(STATS && P_COPY), "the statistics kernel writes no P tile");
   extern __shared__ unsigned char smem_raw[];
   const Smem<T, D, STATS> sm(smem_raw);
@@ -51,29 +92,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   regs_claim<kConsumerRegs>();
-  Cons c(tm_p, p, a, st, sm, tr, tiles, lead, row_tile, i0, n_tiles, one_pass);
-  c.load_mask(0);  // the first tile's pairs, for pass 1 (or pass 2 of a one-pass CTA)
-  mbar_wait(sm.q_full, 0);
-  FWD_STAMP(trace::kStart);
-  c.pass1();
-  if (!one_pass) c.finish_rows();
-  c.prepare_pass2();
-  if constexpr (Cons::kOverlap) c.pass2_overlapped();
-  else c.pass2();
-  if constexpr (!STATS && !P_COPY) {
-    if (c.p_leader) bulk_wait_read<0>();  // shared memory outlives the last store's reads
-  }
-  if (one_pass) c.finish_rows();
-  c.store_o();
-
-  FWD_STAMP(trace::kEnd);
-#ifdef SDPA_MATH_FWD_TRACE
-  if constexpr (!STATS) {
-    if (threadIdx.x == 128) trace::cta_info(2);
-  }
-#endif
-  if constexpr (STATS) c.stats_epilogue();
-  else c.fill_tail();
+  consume<T, D, MASK, STATS, P_COPY>(tm_p, p, a, st, sm, tr, tiles, lead, row_tile, i0, n_tiles, one_pass);
 }
 
 template <typename T, int D, MaskKind MASK, bool STATS, bool P_COPY>
