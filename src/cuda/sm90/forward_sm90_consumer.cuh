@@ -62,13 +62,14 @@ struct Consumer {
   const StatsArgs& st;
   const Smem<T, D, STATS>& sm;
   TraceState& tr;
+  const int cw;  // consumer warpgroup: 0 or 1
   const int64_t tiles, lead, row_tile, i0;
   const int n_tiles;
   const bool one_pass;
 
   // Warpgroup cw holds rows i0 + 64 cw .. + 63; this thread rows row[0] and row[0] + 8 (quad g
   // of its warp), keys 8n + 2t, + 1 of each 8-key group n of a tile.
-  int cw, tid, warp, lane, g, t;
+  int tid, warp, lane, g, t;
   int64_t warp_row0;
   T* P;
   int plan_warp;
@@ -108,11 +109,12 @@ struct Consumer {
   float (&o)[D / 2];
 
   SDPA_MATH_D Consumer(const CUtensorMap& tm_p_, const DevProblem& p_, const Args& a_, const StatsArgs& st_,
-                       const Smem<T, D, STATS>& sm_, TraceState& tr_, int64_t tiles_, int64_t lead_, int64_t row_tile_,
-                       int64_t i0_, int n_tiles_, bool one_pass_, int64_t (&row_)[2], bool (&row_ok_)[2], T* (&p_row_)[2],
-                       const char* (&m_row_)[2], int (&cp_)[3], typename Mask::Raw (&mask_pairs_)[kMaskGroups][2],
-                       float (&m_)[2], float (&l_)[2], float (&inv_l_)[2], float (&run_max_)[2], float (&h_)[2],
-                       uint32_t (&p_addr_)[4], float (&o_)[D / 2]);
+                       const Smem<T, D, STATS>& sm_, TraceState& tr_, int cw_, int64_t tiles_, int64_t lead_,
+                       int64_t row_tile_, int64_t i0_, int n_tiles_, bool one_pass_, int64_t (&row_)[2],
+                       bool (&row_ok_)[2], T* (&p_row_)[2], const char* (&m_row_)[2], int (&cp_)[3],
+                       typename Mask::Raw (&mask_pairs_)[kMaskGroups][2], float (&m_)[2], float (&l_)[2],
+                       float (&inv_l_)[2], float (&run_max_)[2], float (&h_)[2], uint32_t (&p_addr_)[4],
+                       float (&o_)[D / 2]);
 
   // Steps (this file).
   SDPA_MATH_D bool tile_is_clean(int64_t j0) const;
@@ -149,14 +151,14 @@ struct Consumer {
 template <typename T, int D, MaskKind MASK, bool STATS, bool P_COPY>
 SDPA_MATH_D Consumer<T, D, MASK, STATS, P_COPY>::Consumer(
     const CUtensorMap& tm_p_, const DevProblem& p_, const Args& a_, const StatsArgs& st_, const Smem<T, D, STATS>& sm_,
-    TraceState& tr_, int64_t tiles_, int64_t lead_, int64_t row_tile_, int64_t i0_, int n_tiles_, bool one_pass_,
-    int64_t (&row_)[2], bool (&row_ok_)[2], T* (&p_row_)[2], const char* (&m_row_)[2], int (&cp_)[3],
+    TraceState& tr_, int cw_, int64_t tiles_, int64_t lead_, int64_t row_tile_, int64_t i0_, int n_tiles_,
+    bool one_pass_, int64_t (&row_)[2], bool (&row_ok_)[2], T* (&p_row_)[2], const char* (&m_row_)[2], int (&cp_)[3],
     typename Consumer::Mask::Raw (&mask_pairs_)[Consumer::kMaskGroups][2], float (&m_)[2], float (&l_)[2],
     float (&inv_l_)[2], float (&run_max_)[2], float (&h_)[2], uint32_t (&p_addr_)[4], float (&o_)[D / 2])
-    : tm_p(tm_p_), p(p_), a(a_), st(st_), sm(sm_), tr(tr_), tiles(tiles_), lead(lead_), row_tile(row_tile_), i0(i0_),
-      n_tiles(n_tiles_), one_pass(one_pass_), row(row_), row_ok(row_ok_), p_row(p_row_), m_row(m_row_), cp(cp_),
-      mask_pairs(mask_pairs_), m(m_), l(l_), inv_l(inv_l_), run_max(run_max_), h(h_), p_addr(p_addr_), o(o_) {
-  cw = static_cast<int>(threadIdx.x / 128) - 1;
+    : tm_p(tm_p_), p(p_), a(a_), st(st_), sm(sm_), tr(tr_), cw(cw_), tiles(tiles_), lead(lead_), row_tile(row_tile_),
+      i0(i0_), n_tiles(n_tiles_), one_pass(one_pass_), row(row_), row_ok(row_ok_), p_row(p_row_), m_row(m_row_),
+      cp(cp_), mask_pairs(mask_pairs_), m(m_), l(l_), inv_l(inv_l_), run_max(run_max_), h(h_), p_addr(p_addr_),
+      o(o_) {
   tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
   row[0] = i0 + cw * 64 + warp * 16 + g;
   row[1] = i0 + cw * 64 + warp * 16 + g + 8;

@@ -18,8 +18,8 @@ namespace sdpa_math::cuda::sm90::fwd {
 // statistics. The Consumer's arrays are locals here, each an object of its own (see Consumer).
 template <typename T, int D, MaskKind MASK, bool STATS, bool P_COPY>
 SDPA_MATH_D void consume(const CUtensorMap& tm_p, const DevProblem& p, const Args& a, const StatsArgs& st,
-                         const Smem<T, D, STATS>& sm, TraceState& tr, int64_t tiles, int64_t lead, int64_t row_tile,
-                         int64_t i0, int n_tiles, bool one_pass) {
+                         const Smem<T, D, STATS>& sm, TraceState& tr, int cw, int64_t tiles, int64_t lead,
+                         int64_t row_tile, int64_t i0, int n_tiles, bool one_pass) {
   using Cons = Consumer<T, D, MASK, STATS, P_COPY>;
   int64_t row[2];
   bool row_ok[2];
@@ -30,8 +30,8 @@ SDPA_MATH_D void consume(const CUtensorMap& tm_p, const DevProblem& p, const Arg
   float m[2] = {Cons::kNegInf, Cons::kNegInf}, l[2] = {0.0f, 0.0f}, inv_l[2] = {0.0f, 0.0f}, run_max[2], h[2];
   uint32_t p_addr[4];
   float o[D / 2];
-  Cons c(tm_p, p, a, st, sm, tr, tiles, lead, row_tile, i0, n_tiles, one_pass, row, row_ok, p_row, m_row, cp, mask_pairs,
-         m, l, inv_l, run_max, h, p_addr, o);
+  Cons c(tm_p, p, a, st, sm, tr, cw, tiles, lead, row_tile, i0, n_tiles, one_pass, row, row_ok, p_row, m_row, cp,
+         mask_pairs, m, l, inv_l, run_max, h, p_addr, o);
   c.load_mask(0);  // the first tile's pairs, for pass 1 (or pass 2 of a one-pass CTA)
   mbar_wait(sm.q_full, 0);
   FWD_STAMP(trace::kStart);
@@ -86,13 +86,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 #endif
 
-  if (threadIdx.x / 128 == 0) {  // the producer warpgroup
+  const int wg = threadIdx.x / 128;  // warpgroup: 0 the producer, 1 + cw consumer cw
+  if (wg == 0) {
     produce<T, D, STATS>(tm_q, tm_k, tm_v, a, sm, tr, lead, i0, n_tiles, one_pass);
     return;
   }
 
   regs_claim<kConsumerRegs>();
-  consume<T, D, MASK, STATS, P_COPY>(tm_p, p, a, st, sm, tr, tiles, lead, row_tile, i0, n_tiles, one_pass);
+  consume<T, D, MASK, STATS, P_COPY>(tm_p, p, a, st, sm, tr, wg - 1, tiles, lead, row_tile, i0, n_tiles, one_pass);
 }
 
 template <typename T, int D, MaskKind MASK, bool STATS, bool P_COPY>
