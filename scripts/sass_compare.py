@@ -19,6 +19,19 @@ needs cuobjdump (and uses c++filt, when on PATH, to demangle names).
       a kernel of BEFORE is missing from AFTER, or a kernel's registers or count of an opcode in
       --strict-opcodes (default HGMMA,MUFU) changed (with --strict-stack, its stack frame too);
       else 0. A changed stack frame (spills: see the LDL/STL counts) is always flagged "stack".
+
+Example (a refactoring of src/cuda/sm90/forward_sm90.cu; the flags are CMake's for sdpa_math_sm90,
+one compile at a time on a small machine):
+  FLAGS="-std=c++17 -O3 -DNDEBUG --expt-relaxed-constexpr -lineinfo -Xcompiler=-fPIC
+         -gencode=arch=compute_90a,code=sm_90a -I include"
+  mkdir -p /tmp/old/src/cuda/sm90 && git show BASE:src/cuda/sm90/forward_sm90.cu > /tmp/old/src/cuda/sm90/forward_sm90.cu
+  nvcc $FLAGS -I src/cuda/sm90 -I src/cuda -c /tmp/old/src/cuda/sm90/forward_sm90.cu -o /tmp/old/fwd.o
+  for f in src/cuda/sm90/forward_sm90*.cu; do nvcc $FLAGS -c $f -o /tmp/new/$(basename $f .cu).o; done
+  scripts/sass_compare.py summarize /tmp/old/fwd.o > before.json
+  scripts/sass_compare.py summarize /tmp/new/*.o > after.json
+  scripts/sass_compare.py compare before.json after.json
+(CUOBJDUMP in the environment, or --cuobjdump, names the tool when it is not on PATH, e.g. the
+copy Triton ships under triton/backends/nvidia/bin/.)
 """
 import argparse
 import json
