@@ -15,23 +15,25 @@
 namespace sdpa_math::cuda::sm90::fwd {
 
 // A consumer warpgroup's thread, from Q's arrival to the stores of O, P's tail and the
-// statistics. The Consumer's arrays are locals here, each an object of its own (see Consumer).
+// statistics. The Consumer's arrays are locals here (see Consumer).
 template <typename T, int D, MaskKind MASK, bool STATS, bool P_COPY>
 SDPA_MATH_D void consume(const CUtensorMap& tm_p, const DevProblem& p, const Args& a, const StatsArgs& st,
                          const Smem<T, D, STATS>& sm, TraceState& tr, int cw, int64_t tiles, int64_t lead,
                          int64_t row_tile, int64_t i0, int n_tiles, bool one_pass) {
   using Cons = Consumer<T, D, MASK, STATS, P_COPY>;
-  int64_t row[2];
-  bool row_ok[2];
-  T* p_row[2] = {nullptr, nullptr};
-  const char* m_row[2] = {nullptr, nullptr};
-  int cp[3] = {0, 0, 0};
+  // The Consumer's arrays, each in an object of its own (Own: see forward_sm90_shell.cuh).
+  Own<int64_t[2]> row;
+  Own<bool[2]> row_ok;
+  Own<T* [2]> p_row{{nullptr, nullptr}};
+  Own<const char* [2]> m_row{{nullptr, nullptr}};
+  Own<int[3]> cp{{0, 0, 0}};
+  // (mask_pairs: no other part of the kernel has an array of its type to share its object with)
   typename Cons::Mask::Raw mask_pairs[Cons::kMaskGroups][2] = {};
-  float m[2] = {Cons::kNegInf, Cons::kNegInf}, l[2] = {0.0f, 0.0f}, inv_l[2] = {0.0f, 0.0f}, run_max[2], h[2];
-  uint32_t p_addr[4];
-  float o[D / 2];
-  Cons c(tm_p, p, a, st, sm, tr, cw, tiles, lead, row_tile, i0, n_tiles, one_pass, row, row_ok, p_row, m_row, cp,
-         mask_pairs, m, l, inv_l, run_max, h, p_addr, o);
+  Own<float[2]> m{{Cons::kNegInf, Cons::kNegInf}}, l{{0.0f, 0.0f}}, inv_l{{0.0f, 0.0f}}, run_max, h;
+  Own<uint32_t[4]> p_addr;
+  Own<float[D / 2]> o;
+  Cons c(tm_p, p, a, st, sm, tr, cw, tiles, lead, row_tile, i0, n_tiles, one_pass, row.v, row_ok.v, p_row.v, m_row.v,
+         cp.v, mask_pairs, m.v, l.v, inv_l.v, run_max.v, h.v, p_addr.v, o.v);
   c.load_mask(0);  // the first tile's pairs, for pass 1 (or pass 2 of a one-pass CTA)
   mbar_wait(sm.q_full, 0);
   FWD_STAMP(trace::kStart);

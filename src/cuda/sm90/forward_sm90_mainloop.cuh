@@ -17,10 +17,10 @@ SDPA_MATH_D void produce(const CUtensorMap& tm_q, const CUtensorMap& tm_k, const
                          const Smem<T, D, STATS>& sm, TraceState& tr, int64_t lead, int64_t i0, int n_tiles,
                          bool one_pass) {
   using C = Tiles<D, STATS>;
-  int cq[3], ck[3], cv[3];
-  map_coords(a.q, lead, cq);
-  map_coords(a.k, lead, ck);
-  map_coords(a.v, lead, cv);
+  Own<int[3]> cq, ck, cv;
+  map_coords(a.q, lead, cq.v);
+  map_coords(a.k, lead, ck.v);
+  map_coords(a.v, lead, cv.v);
   regs_release<kProducerRegs>();
   if (threadIdx.x == 0) {
     prefetch_tensor_map(&tm_q);
@@ -29,7 +29,7 @@ SDPA_MATH_D void produce(const CUtensorMap& tm_q, const CUtensorMap& tm_k, const
     mbar_arrive_expect_tx(sm.q_full, C::kQBytes);
 #pragma unroll
     for (int b = 0; b < C::kBlocks; ++b)
-      tma_load_5d(sm.sQ + b * kBM * 64, &tm_q, sm.q_full, b * 64, static_cast<int>(i0), cq[0], cq[1], cq[2]);
+      tma_load_5d(sm.sQ + b * kBM * 64, &tm_q, sm.q_full, b * 64, static_cast<int>(i0), cq.v[0], cq.v[1], cq.v[2]);
     // Tile nt of a map into the next stage of a ring: use n of a stage waits for the n-th
     // release of it (parity (n & 1) ^ 1: the first use finds it free).
     auto produce_tile = [&](T* ring, const CUtensorMap* map, uint64_t* full_bars, uint64_t* empty_bars, int stages,
@@ -45,8 +45,8 @@ SDPA_MATH_D void produce(const CUtensorMap& tm_q, const CUtensorMap& tm_k, const
     int kt = 0, vt = 0;
     for (int pass = one_pass ? 1 : 0; pass < 2; ++pass)
       for (int nt = 0; nt < n_tiles; ++nt) {
-        produce_tile(sm.sK, &tm_k, sm.k_full, sm.k_empty, C::kKStages, kt, nt, ck);
-        if (pass == 1) produce_tile(sm.sV, &tm_v, sm.v_full, sm.v_empty, C::kVStages, vt, nt, cv);
+        produce_tile(sm.sK, &tm_k, sm.k_full, sm.k_empty, C::kKStages, kt, nt, ck.v);
+        if (pass == 1) produce_tile(sm.sV, &tm_v, sm.v_full, sm.v_empty, C::kVStages, vt, nt, cv.v);
       }
   }
 }
@@ -59,7 +59,8 @@ SDPA_MATH_D void Consumer<T, D, MASK, STATS, P_COPY>::pass1() {
     FWD_STAMP(trace::kP1Top);
     mbar_wait(&sm.k_full[stage], (kt / C::kKStages) & 1);
     FWD_STAMP(trace::kP1KFull);
-    float s[kBN / 2];
+    Own<float[kBN / 2]> s_;
+    float (&s)[kBN / 2] = s_.v;
     const int64_t j0 = static_cast<int64_t>(nt) * kBN;
     scores(s, stage);
     if (lane == 0) mbar_arrive(&sm.k_empty[stage]);
@@ -124,7 +125,8 @@ SDPA_MATH_D void Consumer<T, D, MASK, STATS, P_COPY>::prepare_pass2() {
 // of its own, and so does the last tile's u V.
 template <typename T, int D, MaskKind MASK, bool STATS, bool P_COPY>
 SDPA_MATH_D void Consumer<T, D, MASK, STATS, P_COPY>::pass2_overlapped() {
-  uint32_t u_frag[kBN / 16][4];
+  Own<uint32_t[kBN / 16][4]> u_frag_;
+  uint32_t (&u_frag)[kBN / 16][4] = u_frag_.v;
   fence_regs(o);  // O's zeros stay above the first product (else ptxas serialises them: C7515)
   FWD_TRACE(tr.pass2 = true);
   // Tile nt's S has been waited for: its K stage back, u = exp(x - m) in place of s, P = u / l
@@ -173,7 +175,8 @@ SDPA_MATH_D void Consumer<T, D, MASK, STATS, P_COPY>::pass2_overlapped() {
     for (int kk = 0; kk < kBN / 16; ++kk) fence_regs(u_frag[kk]);
   };
   if (n_tiles > 0) {  // tile 0: S alone
-    float s[kBN / 2];
+    Own<float[kBN / 2]> s_;
+    float (&s)[kBN / 2] = s_.v;
     FWD_STAMP(trace::kP2Top);
     mbar_wait(&sm.k_full[kt % C::kKStages], (kt / C::kKStages) & 1);
     fence_regs(s);
@@ -189,7 +192,8 @@ SDPA_MATH_D void Consumer<T, D, MASK, STATS, P_COPY>::pass2_overlapped() {
     ++kt;
   }
   for (int nt = 1; nt < n_tiles; ++nt, ++kt) {
-    float s[kBN / 2];
+    Own<float[kBN / 2]> s_;
+    float (&s)[kBN / 2] = s_.v;
     FWD_STAMP(trace::kP2Top);
     mbar_wait(&sm.k_full[kt % C::kKStages], (kt / C::kKStages) & 1);
     mbar_wait(&sm.v_full[(nt - 1) % C::kVStages], ((nt - 1) / C::kVStages) & 1);
@@ -236,7 +240,8 @@ SDPA_MATH_D void Consumer<T, D, MASK, STATS, P_COPY>::pass2() {
     FWD_STAMP(trace::kP2Top);
     mbar_wait(&sm.k_full[stage], (kt / C::kKStages) & 1);
     FWD_STAMP(trace::kP2KFull);
-    float s[kBN / 2];
+    Own<float[kBN / 2]> s_;
+    float (&s)[kBN / 2] = s_.v;
     const int64_t j0 = static_cast<int64_t>(nt) * kBN;
     scores(s, stage);
     if (lane == 0) mbar_arrive(&sm.k_empty[stage]);
@@ -251,8 +256,10 @@ SDPA_MATH_D void Consumer<T, D, MASK, STATS, P_COPY>::pass2() {
     // has read it before it is rewritten (p_buffer_free).
     const int p_buf = nt % C::kPBuffers;
     if constexpr (!STATS) p_buffer_free();
-    uint32_t u_frag[kBN / 16][4];
-    float col[STATS ? kBN / 4 : 1];  // this thread's two rows of P summed: keys 8n + 2t (+1) at 2n (+1)
+    Own<uint32_t[kBN / 16][4]> u_frag_;
+  uint32_t (&u_frag)[kBN / 16][4] = u_frag_.v;
+    Own<float[STATS ? kBN / 4 : 1]> col_;  // this thread's two rows of P summed: keys 8n + 2t (+1) at 2n (+1)
+    float (&col)[STATS ? kBN / 4 : 1] = col_.v;
     if constexpr (!STATS) {
       // A fragment of k-step n2: {row g, keys 2t..} {row g+8, 2t..} {g, 2t+8..} {g+8, 2t+8..}.
       if (kNatural && !raw) {

@@ -163,7 +163,8 @@ SDPA_MATH_D int bool_mask_live_tiles(const DevProblem& p, const Args& a, int64_t
       const int64_t j_hi = j_end < static_cast<int64_t>(t_hi + 1) * kBN ? j_end : static_cast<int64_t>(t_hi + 1) * kBN;
       const int chunks_row = static_cast<int>((j_hi - j_lo) / 16);  // S % 16 == 0 (mask_vec16)
       const int chunks = static_cast<int>(rows) * chunks_row;     // at most 2048
-      uint4 v[kPerThread];
+      Own<uint4[kPerThread]> v_;  // (Own: see forward_sm90_shell.cuh)
+      uint4 (&v)[kPerThread] = v_.v;
 #pragma unroll
       for (int i = 0; i < kPerThread; ++i) {
         const int idx = threadIdx.x + i * kThreads;

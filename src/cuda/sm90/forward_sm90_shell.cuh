@@ -157,6 +157,17 @@ struct StatsArgs {
   int64_t win_first = 0, win_step = 1, win_count = 0;
 };
 
+// An array in a struct of its own, for the arrays the kernel's parts keep in registers (a pass's
+// scores, u's fragments): the inliner lets a function's array reuse the object of an array of
+// the same type from another inlined call (pass 1's scores for pass 2's, say), which is harmless
+// for memory but, once both are registers, carries one's last values into the other's first
+// products as if they were read there, and the kernel compiles to other machine code than the
+// same arrays as locals of one function would. The inliner reuses only objects of array type.
+template <typename A>
+struct Own {
+  A v;
+};
+
 // The timeline of trace.cuh: FWD_TRACE(statement) is the statement in a trace build
 // (SDPA_MATH_FWD_TRACE) and in the forward proper (not the statistics kernel), else nothing;
 // FWD_STAMP(code) stamps a step through the TraceState `tr` in scope.
