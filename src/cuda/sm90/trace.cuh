@@ -7,7 +7,9 @@
 // stamps back and writes them to the file named by SDPA_MATH_TRACE_FILE (overwritten by each
 // launch, so the file holds the last one). tests/gpu/trace_forward.py runs a shape and reads the file.
 //
-// Included by forward_sm90.cu only: the buffer is that translation unit's.
+// Included through forward_sm90_shell.cuh by the forward's translation units: each has a buffer
+// of its own (an anonymous namespace), and a kernel's launch, in the unit that compiles the
+// kernel (forward_sm90_kernel.cuh), clears and reads that one.
 #pragma once
 
 #include <cstdint>
@@ -41,6 +43,7 @@ enum Code : uint8_t {
 };
 
 #ifdef SDPA_MATH_FWD_TRACE
+namespace {
 // [cta][role][slot]; info: [cta] = {SM id, globaltimer at start, globaltimer at end}.
 __device__ unsigned long long g_stamps[kCtas][kRoles][kSlots];
 __device__ unsigned long long g_info[kCtas][3];
@@ -89,6 +92,7 @@ inline void clear(cudaStream_t stream) {
   cudaGetSymbolAddress(&at, g_stamps);
   cudaMemsetAsync(at, 0, sizeof(g_stamps), stream);
 }
+}  // namespace
 #endif
 
 }  // namespace sdpa_math::cuda::sm90::trace
