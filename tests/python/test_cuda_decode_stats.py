@@ -1,4 +1,4 @@
-"""The statistics of P for up to 4 query rows (decode) on the decode kernels (decode.cu,
+"""The statistics of P for up to 4 query rows (decode) on the decode kernels (decode/stats.cu,
 decode_stats; issue 16), on any CUDA GPU: that attention_stats takes them, that column sums and
 row entropy are within 1e-5 (relative) of float64 on the same rounded inputs, that O and lse are
 the decode forward's own, bit for bit, and the window's rows its P; the contract's rows (NaN,
