@@ -61,11 +61,8 @@ struct StatsTargets {
 // NARROW divides in 32 bits where the index and the extent fit (every real shape; a 64-bit
 // division is a long call on the GPU): lead_off_narrow, for decode_partial_tc,
 // decode_finalize_rows and the Hopper backward's delta_rows, whose warps each compute a few
-// offsets and little else. The other kernels
-// keep the 64-bit form: with the 32-bit
-// one their spills moved (the Hopper forward's by -116 to +8 bytes, the head-256 tile forward's
-// by +48) and the 1.5-2 % their rows moved in that run (bench/NOTES.md, session 36) was not
-// told apart from machine variance.
+// offsets and little else. The other kernels keep the 64-bit form: with the 32-bit one their
+// spills moved both ways and their times did not move beyond machine variance (bench/NOTES.md).
 template <bool NARROW = false>
 SDPA_MATH_HD int64_t unravel(const DevProblem& p, const int64_t* strides, int64_t group, int64_t lead) {
   int64_t off = 0;

@@ -5,8 +5,7 @@ the decode forward's own, bit for bit, and the window's rows its P; the contract
 fully masked), masks, causal, GQA, transposed layouts, fp32 inputs, and heads in several passes.
 
 Before this path, decode shapes took the Hopper statistics kernel (a 128-row tile for 1 row, K
-read twice: 0.61 ms on decode_s2k_d128 against 0.33 for the chunks of P) or, off Hopper and for
-fp32, the chunks.
+read twice, slower than the chunks of P) or, off Hopper and for fp32, the chunks.
 
 Every output starts as NaN (SDPA_MATH_POISON_OUTPUTS=1): an element the kernels do not write fails
 the comparison. Skipped without a CUDA device.
@@ -167,8 +166,8 @@ def test_auto_takes_the_decode_kernels_rows_alone_too():
 
 def test_keys_past_the_statistics_grid_keep_the_plain_forward_and_leave_the_statistics_to_others():
     """S = 150 million keys (K and V one row broadcast over the keys, no memory): more 2048-key
-    chunks than a grid's second dimension takes (65535). The statistics kernels decline it (review,
-    session 37: they threw CudaFailure from forward_stats instead of declining), and the plain
+    chunks than a grid's second dimension takes (65535). The statistics kernels decline it (a
+    review found they threw CudaFailure from forward_stats instead of declining), and the plain
     decode forward, whose finalize takes 4096 keys a CTA, still runs it."""
     S = 150_000_000
     q = torch.randn(1, 1, 1, 8, device="cuda")  # fp32: P = 1 / S is below fp16's subnormals
