@@ -9,8 +9,8 @@ namespace sdpa_math::cuda {
 
 void forward(const core::Problem& p, const ForwardOutputs& out, const CudaExecution& ex);
 void backward(const core::Problem& p, const BackwardArgs& args, const BackwardOutputs& out, const CudaExecution& ex);
-// Statistics of P without writing it: up to 4 query rows on the decode kernels (decode.cu, any
-// GPU), more on the Hopper kernel (sm90/forward_sm90.cu, STATS); throws BackendUnavailable,
+// Statistics of P without writing it: up to 4 query rows on the decode kernels (decode/stats.cu,
+// any GPU), more on the Hopper kernel (sm90/forward_sm90.cu, STATS); throws BackendUnavailable,
 // before anything is written, for a problem no kernel takes.
 void forward_stats(const core::Problem& p, const StatsOutputs& out, const CudaExecution& ex);
 bool stats_kernel_applies(const core::Problem& p, const StatsOutputs& out);

@@ -1,4 +1,5 @@
-// The split-key forward for a few query rows (decode), in decode.cu.
+// The kernels for a few query rows (decode), split over keys: the forward, its statistics and
+// the backward (src/cuda/decode/; common.cuh there describes them).
 #pragma once
 
 #include <cuda_runtime.h>

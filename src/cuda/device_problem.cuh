@@ -48,7 +48,7 @@ struct DevProblem {
 // Where forward_stats writes the statistics of P (attention.h, StatsOutputs), with the output
 // operands' strides (data nullptr: not wanted): column sums (*lead, S) and row entropy (*lead, L),
 // and P's rows rows_first + k * rows_step, k < rows_count (*lead, rows_count, S). The Hopper
-// statistics kernel (sm90/forward_sm90.cu) and the decode kernels (decode.cu) both take it.
+// statistics kernel (sm90/forward_sm90.cu) and the decode kernels (decode/) both take it.
 struct StatsTargets {
   DevOperand col_sum, entropy, rows;
   int64_t rows_first = 0, rows_step = 1, rows_count = 0;

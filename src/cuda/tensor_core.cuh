@@ -1,6 +1,7 @@
 // The tensor-core kernels (fp16 and bf16 inputs, mma.sync m16n8k16 with fp32 accumulation,
-// sm_80 and newer). Each entry returns false when the problem is not one they take (dtype, head
-// size), and the caller runs the generic path instead.
+// sm_80 and newer): sm80/forward_sm80.cu and sm80/backward_sm80.cu. Each entry returns false
+// when the problem is not one they take (dtype, head size), and the caller runs the generic path
+// instead.
 #pragma once
 
 #include "device_problem.cuh"

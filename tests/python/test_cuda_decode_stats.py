@@ -1,12 +1,11 @@
-"""The statistics of P for up to 4 query rows (decode) on the decode kernels (decode.cu,
+"""The statistics of P for up to 4 query rows (decode) on the decode kernels (decode/stats.cu,
 decode_stats; issue 16), on any CUDA GPU: that attention_stats takes them, that column sums and
 row entropy are within 1e-5 (relative) of float64 on the same rounded inputs, that O and lse are
 the decode forward's own, bit for bit, and the window's rows its P; the contract's rows (NaN,
 fully masked), masks, causal, GQA, transposed layouts, fp32 inputs, and heads in several passes.
 
 Before this path, decode shapes took the Hopper statistics kernel (a 128-row tile for 1 row, K
-read twice: 0.61 ms on decode_s2k_d128 against 0.33 for the chunks of P) or, off Hopper and for
-fp32, the chunks.
+read twice, slower than the chunks of P) or, off Hopper and for fp32, the chunks.
 
 Every output starts as NaN (SDPA_MATH_POISON_OUTPUTS=1): an element the kernels do not write fails
 the comparison. Skipped without a CUDA device.

@@ -56,9 +56,10 @@ int64_t backward_workspace_floats(const DevProblem& p);
 int64_t backward_delta_floats(const DevProblem& p);
 bool backward(const DevProblem& p, const BackwardTargets& out, float* workspace, cudaStream_t stream);
 
-// kl_to's gradient without P (backward_sm90.cu's KL form): dQ and dK of Σ_i g_i KL(r_i ‖ P_i),
-// P recomputed from the lse in p.lse. The reference r has P's shape and the inputs' dtype; its
-// row sums R and the incoming gradient g are fp32 rows shaped like the lse.
+// kl_to's gradient without P (kl_backward_sm90.cu, the KL form of backward_sm90.cuh's kernel):
+// dQ and dK of Σ_i g_i KL(r_i ‖ P_i), P recomputed from the lse in p.lse. The reference r has P's
+// shape and the inputs' dtype; its row sums R and the incoming gradient g are fp32 rows shaped
+// like the lse.
 struct KlInputs {
   DevOperand reference, row_sum, grad_kl;
 };

@@ -1,11 +1,12 @@
-// The tensor-core forward (fp16/bf16): per CTA 64 query rows of one head, 4 warps of 16 rows.
-// Pass 1 over the key tiles keeps each row's running max and sum (fp32) and yields the
-// log-sum-exp; pass 2 recomputes the scores, forms P = dropout(exp(s - lse)) in fp32, rounds
-// and stores it once, and accumulates O += P V on the tensor cores (design.md, "two passes over
-// K, one write of P"). Causal tiles above the diagonal are never computed: their P is zeros.
-#include "launch.cuh"
-#include "mma.cuh"
-#include "tensor_core.cuh"
+// The tensor-core forward on mma.sync (fp16/bf16, sm_80 and newer; kernel forward_tc): per CTA
+// 64 query rows of one head, 4 warps of 16 rows. Pass 1 over the key tiles keeps each row's
+// running max and sum (fp32) and yields the log-sum-exp; pass 2 recomputes the scores, forms
+// P = dropout(exp(s - lse)) in fp32, rounds and stores it once, and accumulates O += P V on the
+// tensor cores (design.md, "two passes over K, one write of P"). Causal tiles above the
+// diagonal are never computed: their P is zeros.
+#include "../launch.cuh"
+#include "../mma.cuh"
+#include "../tensor_core.cuh"
 
 namespace sdpa_math::cuda {
 namespace {

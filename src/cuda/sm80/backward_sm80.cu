@@ -1,5 +1,5 @@
-// The tensor-core backward (fp16/bf16). Per CTA one head's block of BN keys; it sweeps the query
-// rows in tiles of 64 and per tile:
+// The tensor-core backward on mma.sync (fp16/bf16, sm_80 and newer; kernel backward_tc). Per
+// CTA one head's block of BN keys; it sweeps the query rows in tiles of 64 and per tile:
 //   A) per warp (16 query rows): S = Q K^T and G = dO V^T on tensor cores, A = exp(scale S + mask
 //      - lse), dA and dS = A (dA - delta) by the contract's dropout rules; W (what multiplied V)
 //      and scale dS go to shared memory, transposed, and dS feeds the mask gradient;
@@ -9,10 +9,10 @@
 // forward's O and P are given, else recomputed on the generic path.
 // dK and dV go to fp32 accumulators too (atomically), which is what sums them over GQA groups
 // and broadcast batch dims; when each key row is one CTA's alone they are stored directly.
-#include "decode.cuh"
-#include "launch.cuh"
-#include "mma.cuh"
-#include "tensor_core.cuh"
+#include "../decode.cuh"
+#include "../launch.cuh"
+#include "../mma.cuh"
+#include "../tensor_core.cuh"
 
 namespace sdpa_math::cuda {
 namespace {
