@@ -67,6 +67,7 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      row_entropy, head_mean, rows, kl_to)
     lead, L, S, win = plan.lead, plan.L, plan.S, plan.win
     tracked = _tracked(query, key, value, attn_mask, kl_to)
+    # kl_to alone on CUDA's kernels, whole, with or without a gradient: P is never formed
     if (plan.kl and col_sum is None and not row_entropy and not head_mean and win is None and method != "chunks"
             and (route := _kl_fused_applies(query, key, value, attn_mask, kl_to, is_causal, scale, enable_gqa,
                                             lead))):
@@ -74,6 +75,7 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         return o, {"kl_to": kl}
     count = len(range(*win)) if win is not None else 0
     fused = _forward_stats_applies(plan, query, key, value, attn_mask, tracked, method, count)
+    # rows alone (auto): O from PyTorch's fused kernel, and only the window's rows of P formed
     if method == "auto" and win is not None and _rows_alone_applies(query, key, value, attn_mask, is_causal, scale,
                                                                     enable_gqa, col_sum, row_entropy, head_mean,
                                                                     kl_to, tracked, count, S, fused):
