@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..api import attention_with_lse
 from .kl_chunk import _KLChunk
-from .kl_rows import _fp32_inputs, _fp32_on_cpu, _kl_rows_with_graph, _kl_rows_without_graph
+from .kl_rows import _forward_on_fp32_copies, _fp32_on_cpu, _kl_rows_with_graph, _kl_rows_without_graph
 from .logits import _tracked
 from .rows import _causal_rows, _op_causality, _rows_of
 
@@ -63,10 +63,8 @@ def _chunk_stats(plan: _Plan, kl_fp32: bool, i0: int, i1: int, sl: slice | None,
         m_c = _causal_rows(i0, i1, plan.S, q_c.device)
     op_m, op_causal = _op_causality(m_c, i0, plan.is_causal)
     scale, gqa = plan.scale, plan.enable_gqa
-    if kl_fp32:
-        o_c, pf, lse_c = attention_with_lse(*_fp32_inputs(q_c, k, v, op_m), 0.0, op_causal, scale=scale,
-                                            enable_gqa=gqa)
-        o_c = o_c.to(q_c.dtype)  # P in the inputs' dtype: only the window's rows (below)
+    if kl_fp32:  # P stays in fp32: only the window's rows are rounded to the inputs' dtype (below)
+        o_c, pf, lse_c = _forward_on_fp32_copies(q_c, k, v, op_m, op_causal, scale, gqa)
     else:
         o_c, p_c, lse_c = attention_with_lse(q_c, k, v, op_m, 0.0, op_causal, scale=scale, enable_gqa=gqa)
         pf = p_c.to(plan.stat_dtype)

@@ -7,7 +7,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .._ops import ops
-from .kl_rows import _fp32_inputs, _fp32_on_cpu, _kl_rows_without_graph
+from .kl_rows import _forward_on_fp32_copies, _fp32_inputs, _fp32_on_cpu, _kl_rows_without_graph
 from .logits import _logit_product_grads, _probs_fp32, _products_in_half
 from .rows import _causal_rows, _op_causality
 
@@ -36,8 +36,7 @@ class _KLChunk(torch.autograd.Function):
         op_m, op_causal = _op_causality(m, causal_rows[0] if causal_rows else 0, causal_rows is not None)
         fp32 = _fp32_on_cpu(q, v)
         if fp32:  # O, the lse and P in fp32 from the CPU kernels
-            o, p, lse = ops.forward(*_fp32_inputs(q, k, v, op_m), 0.0, op_causal, None, scale, enable_gqa, None)
-            o = o.to(q.dtype)
+            o, p, lse = _forward_on_fp32_copies(q, k, v, op_m, op_causal, scale, enable_gqa)
         else:
             o, p, lse = ops.forward(q, k, v, op_m, 0.0, op_causal, None, scale, enable_gqa, None)
         kl = _kl_rows_without_graph(ref, p, lse, q, k, m, scale, enable_gqa, stat_dtype, fp32)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from .._ops import ops
 from .logits import _log_probs_fp32, _shifted_logits_fp32, _widened_to
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -36,6 +37,13 @@ def _fp32_on_cpu(q, v, rows: int | None = None) -> bool:
 def _fp32_inputs(*tensors):
     """The tensors in fp32, a float mask too (a bool mask or None as it is), for _fp32_on_cpu."""
     return tuple(t.float() if t is not None and t.is_floating_point() else t for t in tensors)
+
+
+def _forward_on_fp32_copies(q, k, v, m, is_causal, scale, enable_gqa):
+    """(O in q's dtype, P in fp32, lse) of the operator run on fp32 copies of the inputs and a
+    float mask m (_fp32_on_cpu), without a graph."""
+    o, p, lse = ops.forward(*_fp32_inputs(q, k, v, m), 0.0, is_causal, None, scale, enable_gqa, None)
+    return o.to(q.dtype), p, lse
 
 
 def _kl_rows_with_graph(r, p, q, k, m, scale, enable_gqa):
