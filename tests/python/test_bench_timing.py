@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from sdpa_math import bench
+from sdpa_math.bench import timing as bench_timing
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -21,7 +22,7 @@ def _slow_host_call(x):
 @cuda
 @pytest.mark.parametrize("timing", ["gpu", "wall"])
 def test_gpu_timing_leaves_out_the_host_and_wall_timing_keeps_it(monkeypatch, timing):
-    monkeypatch.setattr(bench, "TIMING", timing)
+    monkeypatch.setattr(bench_timing, "TIMING", timing)
     x = torch.zeros(1024, device="cuda")
     host = {}
     timed, errors = bench.interleaved_ms({"slow": _slow_host_call(x)}, "cuda", reps=5, host=host)

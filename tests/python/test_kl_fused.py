@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import sdpa_math  # noqa: F401  (loads the ops)
-from sdpa_math import stats as stats_module
+from sdpa_math.stats import kl_cuda, logits as stats_logits, pytorch_fused
 from sdpa_math.stats import attention_stats
 from cuda_helpers import HALF_DTYPES, cuda_kernels, dtype_id, sm90_only
 
@@ -298,10 +298,10 @@ def test_o_gradient_by_chunks_equals_the_whole_backward(case):
     o, p, lse = ops.forward(q, k, v, None, 0.0, causal, None, None, gqa, None)
     d_o = torch.randn(o.shape, generator=gen, dtype=F64)
     want = ops.backward(d_o, None, q, k, v, None, lse, o, p, 0.0, causal, None, None, gqa, None, [True] * 3 + [False])
-    got = stats_module._o_grads_by_chunks(q, k, v, o, lse, d_o, causal, None, gqa, (True, True, True), chunk_rows=4)
+    got = kl_cuda._o_grads_by_chunks(q, k, v, o, lse, d_o, causal, None, gqa, (True, True, True), chunk_rows=4)
     for name, g, w in zip(("dq", "dk", "dv"), got, want[:3]):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12, msg=name)
-    only_k = stats_module._o_grads_by_chunks(q, k, v, o, lse, d_o, causal, None, gqa, (False, True, False), chunk_rows=4)
+    only_k = kl_cuda._o_grads_by_chunks(q, k, v, o, lse, d_o, causal, None, gqa, (False, True, False), chunk_rows=4)
     assert only_k[0] is None and only_k[2] is None
     torch.testing.assert_close(only_k[1], want[1], rtol=1e-12, atol=1e-12)
 
@@ -312,7 +312,7 @@ def test_ref_keys_give_the_sum_of_r_times_the_logits(gqa, monkeypatch):
     key head: kl_rows with _ref_keys' u gives the KL computed over the L×S logits. The product
     (bmm with fp32 results) exists only on CUDA; here a float64 product stands in for it, so the
     reshaping and the grouping are what is checked."""
-    monkeypatch.setattr(stats_module, "_bmm_fp32", lambda a, b: a.double() @ b.double())
+    monkeypatch.setattr(stats_logits, "_bmm_fp32", lambda a, b: a.double() @ b.double())
     gen = torch.Generator().manual_seed(47)
     B, H, Hkv, L, S, E = 2, 4, 2 if gqa else 4, 5, 7, 8
     q = torch.randn(B, H, L, E, generator=gen, dtype=F64)
@@ -322,13 +322,13 @@ def test_ref_keys_give_the_sum_of_r_times_the_logits(gqa, monkeypatch):
     x = (q @ kk.transpose(-2, -1)) * 0.5
     lse = torch.logsumexp(x, -1)
     want = (r * (torch.log(r) - (x - lse[..., None]))).sum(-1)
-    u = stats_module._ref_keys(r, k, gqa)
+    u = kl_cuda._ref_keys(r, k, gqa)
     assert u.shape == (B, H, L, E)
     kl, _ = ops.kl_rows(r, False, q, u, lse, 0.5)
     torch.testing.assert_close(kl, want, rtol=1e-12, atol=1e-12)
-    assert stats_module._ref_product_view(r, k, gqa) is not None
-    assert stats_module._ref_product_view(r[:, :1].expand(B, H, L, S), k, gqa) is None  # would copy r
-    assert stats_module._ref_product_view(r.transpose(1, 2).contiguous().transpose(1, 2), k, gqa) is None
+    assert kl_cuda._ref_product_view(r, k, gqa) is not None
+    assert kl_cuda._ref_product_view(r[:, :1].expand(B, H, L, S), k, gqa) is None  # would copy r
+    assert kl_cuda._ref_product_view(r.transpose(1, 2).contiguous().transpose(1, 2), k, gqa) is None
 
 
 # --- attention_stats(kl_to=...) through the CUDA kernels -----------------------------------------
@@ -386,10 +386,10 @@ def test_kl_to_takes_the_fused_kernels_and_matches_float64(case, dtype):
     kw = dict(is_causal=causal, enable_gqa=Hkv != H)
     wo = torch.randn(B, H, L, E, generator=gen)
     lq, lk, lv = leaves((q, k, v), "cuda", dtype)
-    route = stats_module._kl_fused_applies(lq, lk, lv, None, r.cuda(), causal, None, Hkv != H, (B, H))
+    route = kl_cuda._kl_fused_applies(lq, lk, lv, None, r.cuda(), causal, None, Hkv != H, (B, H))
     # the forward's rows: the Hopper kernel where TMA reads the reference (16-byte rows) and there are
     # enough query rows, else r K and kl_rows
-    assert route == ("kl_forward" if S % 8 == 0 and L >= stats_module._KL_FORWARD_MIN_ROWS else "r_k"), route
+    assert route == ("kl_forward" if S % 8 == 0 and L >= kl_cuda._KL_FORWARD_MIN_ROWS else "r_k"), route
     got, kernels = cuda_kernels(lambda: kl_and_grads(lq, lk, lv, r.cuda(), kw, wo=wo.cuda()))
     assert any("backward_sm90<" in n and "false, true>" in n for n in kernels), kernels  # the KL form ran
     ran, skipped = ("kl_forward_sm90", "kl_rows_kernel") if route == "kl_forward" else ("kl_rows_kernel", "kl_forward_sm90")
@@ -454,11 +454,11 @@ def test_kl_to_takes_o_and_lse_from_pytorchs_fused_kernels_or_ours_alike(case, b
 
     with sdpa_kernel([getattr(SDPBackend, backend)]):
         with torch.no_grad():  # as _KLFused.forward asks (PyTorch's rules may depend on grad mode)
-            choice = stats_module._pytorch_fused_choice(q, k, v, causal, None, Hkv != H)
-        assert stats_module._pytorch_fused_choice(q[:, :, :L // 2], k, v, True, None, Hkv != H) == 0
+            choice = pytorch_fused._pytorch_fused_choice(q, k, v, causal, None, Hkv != H)
+        assert pytorch_fused._pytorch_fused_choice(q[:, :, :L // 2], k, v, True, None, Hkv != H) == 0
         o_t, kl_t, g_t, kernels_t = run()
     with sdpa_kernel([SDPBackend.MATH]):  # no fused kernel: our statistics kernel gives O and lse
-        assert stats_module._pytorch_fused_choice(q, k, v, causal, None, Hkv != H) == 0
+        assert pytorch_fused._pytorch_fused_choice(q, k, v, causal, None, Hkv != H) == 0
         o_s, kl_s, g_s, kernels_s = run()
     assert any("::forward_sm90<" in n for n in kernels_s), kernels_s
     took_theirs = not any("::forward_sm90<" in n for n in kernels_t)
@@ -490,8 +490,8 @@ def test_kl_to_with_a_mask_or_a_float32_reference_keeps_the_composition():
     q, k, v = (torch.randn(1, 2, 64, 64, generator=gen).cuda().half() for _ in range(3))
     r = ref_map((1, 2, 64, 64), torch.float32, "cuda", gen)
     mask = torch.zeros(64, 64, device="cuda", dtype=torch.half)
-    assert not stats_module._kl_fused_applies(q, k, v, mask, r.half(), False, None, False, (1, 2))
-    assert not stats_module._kl_fused_applies(q, k, v, None, r, False, None, False, (1, 2))
+    assert not kl_cuda._kl_fused_applies(q, k, v, mask, r.half(), False, None, False, (1, 2))
+    assert not kl_cuda._kl_fused_applies(q, k, v, None, r, False, None, False, (1, 2))
     # Two batches of a (B, L, H, S) layout: with 128 query rows kl_forward's kernel reads it through
     # TMA. With 64 rows the older route would run, whose r K would copy it to P's size, so the
     # chunks take it; contiguous, its lead dims merge into one batch dim that bmm reads as is.
@@ -502,11 +502,11 @@ def test_kl_to_with_a_mask_or_a_float32_reference_keeps_the_composition():
     def applies(L, S, r_layout):
         q2, k2, v2 = (torch.randn(2, 2, n, 64, generator=gen).cuda().half() for n in (L, S, S))
         r2 = r_layout(ref_map((2, 2, L, S), torch.float16, "cuda", gen))
-        return stats_module._kl_fused_applies(q2, k2, v2, None, r2, False, None, False, (2, 2))
+        return kl_cuda._kl_fused_applies(q2, k2, v2, None, r2, False, None, False, (2, 2))
 
     assert applies(128, 64, blhs) and not applies(64, 64, blhs) and applies(64, 64, lambda t: t)
     assert not applies(128, 34, blhs) and applies(128, 34, lambda t: t)
-    assert stats_module._kl_fused_applies(q, k, v, None, r.half(), False, None, False, (1, 2))
+    assert kl_cuda._kl_fused_applies(q, k, v, None, r.half(), False, None, False, (1, 2))
     _, kernels = cuda_kernels(lambda: attention_stats(q, k, v, kl_to=r))
     assert not any("backward_sm90" in n for n in kernels)
 
@@ -522,9 +522,9 @@ def test_kl_to_under_deterministic_algorithms_keeps_the_chunks():
     # warn_only: cuBLAS's products would otherwise need CUBLAS_WORKSPACE_CONFIG set before start
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        assert not stats_module._kl_fused_applies(q, k, v, None, r, False, None, False, (1, 2))
+        assert not kl_cuda._kl_fused_applies(q, k, v, None, r, False, None, False, (1, 2))
         with torch.no_grad():
-            assert stats_module._kl_fused_applies(q, k, v, None, r, False, None, False, (1, 2))
+            assert kl_cuda._kl_fused_applies(q, k, v, None, r, False, None, False, (1, 2))
         _, st = attention_stats(q, k, v, kl_to=r)
         dq, dk = torch.autograd.grad(st["kl_to"].sum(), (q, k))
         assert torch.isfinite(dq).all() and torch.isfinite(dk).all()

@@ -1,5 +1,5 @@
 """torch.ops.sdpa_math.softmax_rows (attention.h): rows of P from their fp32 logits, against the
-PyTorch ops it replaces in `rows` alone (python/sdpa_math/stats.py, _rows_alone): the top-left
+PyTorch ops it replaces in `rows` alone (python/sdpa_math/stats/rows_alone.py, _rows_alone): the top-left
 causal mask of a window of query rows, torch.softmax, and the cast. On the CPU it runs the core's
 float64 reference, on CUDA its kernel; both for three output dtypes, strided logits, long rows,
 windows with a step, the rows torch.softmax makes NaN, and the errors of bad arguments."""

@@ -441,7 +441,7 @@ def test_kl_to_bf16_gradient_products_on_the_cpu_follow_its_instructions():
     it) only where the CPU multiplies bf16 fast (AVX-512 BF16 or AMX), else in fp32 from the
     unrounded dS (emulated bf16 products ran 5x slower than fp32's on an AVX2 machine). The two
     forms give different roundings here, so the result shows which one ran."""
-    from sdpa_math import stats as stats_mod
+    from sdpa_math.stats import logits as stats_mod
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(2, 3, 24, 16, generator=gen).to(torch.bfloat16)
     k = torch.randn(2, 3, 40, 16, generator=gen).to(torch.bfloat16)
@@ -462,7 +462,7 @@ def test_kl_to_bf16_gradient_products_on_the_cpu_follow_its_instructions():
                                   "batch_dims_2x3"])
 def test_cpu_kernels_on_fp32_copies_give_the_operators_own_outputs(case, dtype):
     """kl_to on fp16/bf16 CPU inputs runs the operator on fp32 copies of q, k, v and a float mask,
-    for P in fp32 (stats._fp32_on_cpu). That rests on the CPU kernels computing in fp32 whatever
+    for P in fp32 (stats.kl_rows._fp32_on_cpu). That rests on the CPU kernels computing in fp32 whatever
     the inputs' dtype: the copies' O and P rounded to the inputs' dtype, and their lse, are the
     operator's own, bit for bit. A float mask in the inputs' dtype is widened too (fp32 inputs
     take a float32 mask)."""
@@ -525,10 +525,10 @@ def test_kl_to_gradient_near_the_teacher_uses_P_in_fp32(rows):
 @pytest.mark.parametrize("hkv", [4, 2])
 def test_kl_to_of_a_decode_row_on_the_cpu_matches_float64(hkv, dtype):
     """One query row (decode) of fp16/bf16 CPU inputs: fewer rows than Ev / 4, so the chunk takes
-    log P from the fp32 logits rather than the operator on fp32 copies (stats._fp32_on_cpu), and
+    log P from the fp32 logits rather than the operator on fp32 copies (stats.kl_rows._fp32_on_cpu), and
     without GQA dK is an outer product (one row a product). The KL and the gradients to q and k
     against float64 on the same rounded inputs."""
-    from sdpa_math import stats as stats_mod
+    from sdpa_math.stats import kl_rows as stats_mod
     gen = torch.Generator().manual_seed(9)
     B, H, S, E = 2, 4, 40, 32
     q = torch.randn(B, H, 1, E, generator=gen).to(dtype)
@@ -635,10 +635,10 @@ SHAPE_CASES = {  # q, k, v shapes, GQA
 @pytest.mark.parametrize("case", list(SHAPE_CASES))
 def test_kl_to_cuda_paths_on_the_meta_device(case, dtype, mask, other, monkeypatch):
     """kl_to's CUDA-only paths (fp32-output bmm, fp16 dS scaling) run where no GPU is: the meta
-    device with the operator's fake kernels, stats._on_cuda pointed at it. Shapes and dtypes of
+    device with the operator's fake kernels, stats.logits._on_cuda pointed at it. Shapes and dtypes of
     the KL and of every gradient (O in the loss too; another statistic takes the checkpointed
     chunks), and no error: the fp16 scaling once took the max of an empty dS here."""
-    from sdpa_math import stats as stats_module
+    from sdpa_math.stats import logits as stats_module
     monkeypatch.setattr(stats_module, "_on_cuda", lambda t: True)
     qs, ks, vs, gqa = SHAPE_CASES[case]
     meta = dict(device="meta", dtype=dtype)
@@ -684,7 +684,7 @@ def test_kl_to_fp16_scaling_of_the_cuda_path_emulated_on_the_cpu(monkeypatch):
     one power of two per product matrix, so a batch whose loss weight is 1e5 times smaller keeps
     its precision (one factor for the whole chunk gave it 4e-2 relative error), and a weight so
     small that the factor would overflow fp32 gives zeros, not NaN."""
-    from sdpa_math import stats as stats_module
+    from sdpa_math.stats import logits as stats_module
     monkeypatch.setattr(stats_module, "_on_cuda", lambda t: True)
     monkeypatch.setattr(stats_module, "_BMM_HAS_OUT_DTYPE", True)
     monkeypatch.setattr(stats_module, "_bmm_fp32", lambda a, b: a.float() @ b.float())
