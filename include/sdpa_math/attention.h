@@ -149,7 +149,7 @@ struct KlRowsArgs {
 void kl_rows(Backend backend, const KlRowsArgs& args, const TensorView& kl, const TensorView& row_sum,
              const CudaExecution& cuda = {});
 // softmax_rows: rows of P from their fp32 logits, for a window of query rows asked for alone
-// (python/sdpa_math/stats.py, `rows` without the statistics kernel): the logits x of row n
+// (python/sdpa_math/stats/, `rows` without the statistics kernel): the logits x of row n
 // (x = scale · q kᵀ, already scaled) go to out[n, j] = exp(x_j − max) / Σ exp(x − max), rounded
 // to out's dtype, in one kernel that reads x once (rows of up to 4096 keys, held in registers) or
 // twice and writes P once (instead of the separate mask, softmax and cast passes of PyTorch ops). With is_causal, row k of the window is query row

@@ -1,5 +1,5 @@
 // softmax_rows on any GPU (attention.h): one block of 256 threads per row of fp32 logits.
-// Rows of at most 4096 keys, contiguous and 16-byte aligned (the logits python/sdpa_math/stats.py's
+// Rows of at most 4096 keys, contiguous and 16-byte aligned (the logits the package sdpa_math.stats's
 // `rows` alone forms), take softmax_rows_vec_kernel: each thread loads its share of the row as
 // float4s, all issued before the first is used, keeps them in registers, and the block reduces the
 // max, then the sum, then writes P with 8-byte (16-bit types) stores. Other rows take

@@ -179,7 +179,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_kernel(
 // (output, logsumexp, col_sum, row_entropy, rows) with the statistics in float32 (float64 for
 // float64 inputs) and rows (P at query rows rows_first + k rows_step, k < rows_count) in the
 // inputs' dtype; one not asked for comes back as an empty tensor of shape (0,). No dropout and
-// no autograd: python/sdpa_math/stats.py calls it only when no gradient is wanted.
+// no autograd: the package python/sdpa_math/stats/ calls it only when no gradient is wanted.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_stats_kernel(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask, bool is_causal,
     std::optional<double> scale, bool enable_gqa, bool col_sum, bool row_entropy, int64_t rows_first, int64_t rows_count,
@@ -295,7 +295,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_kernel(
   });
 }
 
-// kl_to's pieces (sdpa_math::kl_rows, kl_backward; python/sdpa_math/stats.py uses them on CUDA
+// kl_to's pieces (sdpa_math::kl_rows, kl_backward; the package python/sdpa_math/stats/ uses them on CUDA
 // where kl_backward_has_kernel says so). kl_rows returns the KL per row and R = Σ_j r, in float32
 // (float64 for a float64 reference), from the reference, q, u = r K and the lse.
 std::tuple<at::Tensor, at::Tensor> kl_rows_kernel(const at::Tensor& reference, bool is_causal, const at::Tensor& query,
@@ -319,7 +319,7 @@ std::tuple<at::Tensor, at::Tensor> kl_rows_kernel(const at::Tensor& reference, b
   });
 }
 
-// The rows of P from their fp32 logits (sdpa_math::softmax_rows; python/sdpa_math/stats.py's
+// The rows of P from their fp32 logits (sdpa_math::softmax_rows; the package sdpa_math.stats's
 // `rows` alone on CUDA): a fresh tensor of the logits' shape in `dtype`.
 at::Tensor softmax_rows_kernel(const at::Tensor& logits, c10::ScalarType dtype, bool is_causal, int64_t first,
                                int64_t step) {
