@@ -40,12 +40,23 @@ def sm90_functions():
     listing = subprocess.run([tool, "-lelf", str(_extension())], capture_output=True, text=True)
     if "forward_sm90" not in listing.stdout:
         pytest.skip("the extension has no Hopper forward (built without CUDA or without 90a)")
-    sass = subprocess.run([tool, "-sass", str(_extension())], capture_output=True, text=True, check=True).stdout
-    functions = {}
-    for block in re.split(r"\n\s*Function : ", sass)[1:]:
-        name, body = block.split("\n", 1)
-        if "forward_sm90" in name or "backward_sm90" in name:
-            functions[name.strip()] = body
+    # Only the sm_90a code, read as a stream keeping the Hopper kernels' blocks: the whole
+    # listing is close to a gigabyte of text.
+    functions, name, body = {}, None, []
+    with subprocess.Popen([tool, "-sass", "-arch", "sm_90a", str(_extension())], stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL, text=True) as proc:
+        for line in proc.stdout:
+            header = line.strip()
+            if header.startswith("Function : "):
+                if name:
+                    functions[name] = "".join(body)
+                fn = header[len("Function : "):].strip()
+                name, body = (fn, []) if ("forward_sm90" in fn or "backward_sm90" in fn) else (None, [])
+            elif name:
+                body.append(line)
+    assert proc.returncode == 0, f"cuobjdump -sass exited {proc.returncode}"
+    if name:
+        functions[name] = "".join(body)
     return functions
 
 
