@@ -25,7 +25,9 @@ them as they take any ScorerPress):
   (B, H, L, S) map is formed: eager attention is not needed.
 * FusedSnapKVPress: the window's queries (kvpress's own get_prerope_query_states and
   transformers' rotate_half), then the column sums of their rows of P over all keys in one fused
-  pass, GQA groups averaged in the kernel (col_sum="group_mean"; the keys are not repeated).
+  pass, GQA groups averaged in the kernel (col_sum="group_mean"; the keys are not repeated). On
+  "exact_attention" the window's rows come from the layer's own attention call instead (the
+  collector's rows=slice(-window_size, None)), nothing recomputed.
 * FusedTOVAPress: the same for the last query, averaged over all heads.
 
 Scores are float32 (float64 for float64 models) however the model is stored; kvpress's own are
@@ -45,7 +47,7 @@ sdpa_math does not. docs/kvpress.md.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -99,8 +101,42 @@ def window_column_sums(module: torch.nn.Module, hidden_states: torch.Tensor, key
     return stats["col_sum"]
 
 
+class _FromLayerStats:
+    """Mixin: inside `with press(model):`, on a model whose attention is sdpa_math's
+    ("exact_attention" or "sdpa_math"), a statistics collector (integrations.collect) replaces the
+    layers' attention calls: each returns O and the statistics of _layer_stats() from one fused
+    pass, and no weights, so no layer forms its map. `_stats(module)` hands `score` the layer's
+    statistics of this prefill (None without a collector: the press then takes its second pass)."""
+
+    def _layer_stats(self) -> dict:
+        raise NotImplementedError
+
+    def _stats(self, module, keys):
+        rec = self.__dict__.get("_recorder")
+        stats = rec.stats.pop(module.layer_idx, None) if rec is not None else None
+        # the latest call of this layer, and one over all its keys (the prefill's)
+        if stats is None or next(iter(stats.values())).shape[-1] != keys.shape[-2]:
+            return None
+        return stats
+
+    @contextmanager
+    def __call__(self, model):
+        impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        if impl not in _hf.NAMES or self.compression_ratio == 0:
+            with super().__call__(model):
+                yield
+            return
+        with _collect.collect(model, **self._layer_stats()) as rec:
+            self.__dict__["_recorder"] = rec
+            try:
+                with super().__call__(model):
+                    yield
+            finally:
+                self.__dict__.pop("_recorder", None)
+
+
 @dataclass
-class FusedObservedAttentionPress(ObservedAttentionPress):
+class FusedObservedAttentionPress(_FromLayerStats, ObservedAttentionPress):
     """ObservedAttentionPress (H2O) without eager attention: the score of key j for KV head g is
     the mean over g's query heads of Σ_i P[h, i, j] / (L - j), kvpress's definition, as
     attention_stats' column sums (col_sum="group_mean", visible_normalized=True).
@@ -111,60 +147,76 @@ class FusedObservedAttentionPress(ObservedAttentionPress):
     pass over the layer's recomputed queries (window_column_sums with n = L)."""
 
     compression_ratio: float = 0.0
-    _recorder: object = field(default=None, init=False, repr=False, compare=False)
+
+    def _layer_stats(self):
+        return {"col_sum": "group_mean", "visible_normalized": True}
 
     def score(self, module, hidden_states, keys, values, attentions, kwargs):
-        stats = self._recorder.stats.pop(module.layer_idx, None) if self._recorder is not None else None
-        if stats is not None and stats["col_sum"].shape[-1] == keys.shape[-2]:
+        stats = self._stats(module, keys)
+        if stats is not None:
             return stats["col_sum"]
         return window_column_sums(module, hidden_states, keys, values, hidden_states.shape[1],
                                   kwargs["position_embeddings"], visible_normalized=True)
 
-    @contextmanager
-    def __call__(self, model):
-        impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
-        if impl not in _hf.NAMES or self.compression_ratio == 0:
-            with super().__call__(model):
-                yield
-            return
-        with _collect.collect(model, col_sum="group_mean", visible_normalized=True) as rec:
-            self._recorder = rec
-            try:
-                with super().__call__(model):
-                    yield
-            finally:
-                self._recorder = None
+
+def _window_rows_mean(rows: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """(B, H, n, S) rows of P (the collector's `rows`) -> (B, Hkv, S) float32: the mean over
+    the rows, summed in float32, then over each GQA group's query heads."""
+    B, H, n, S = rows.shape
+    stat = torch.float64 if rows.dtype == torch.float64 else torch.float32
+    return rows.sum(-2, dtype=stat).div_(n).view(B, kv_heads, H // kv_heads, S).mean(2)
 
 
 @dataclass
-class FusedSnapKVPress(SnapKVPress):
-    """SnapKVPress with the window's attention as fused column sums: the mean over the last
+class FusedSnapKVPress(_FromLayerStats, SnapKVPress):
+    """SnapKVPress with the window's attention from sdpa_math: the mean over the last
     window_size queries of P[h, i, j] (keys before the window), averaged over each GQA group,
-    then kvpress's smoothing (avg_pool1d over kernel_size keys) and the window kept."""
+    then kvpress's smoothing (avg_pool1d over kernel_size keys) and the window kept.
+
+    On "sdpa" (any implementation but sdpa_math's): the window's queries recomputed and their
+    column sums in one fused pass (window_column_sums; a (B, Hkv, S) result, the keys not
+    repeated). On "exact_attention": the window's rows of P from the layer's own attention call
+    (the collector's rows=slice(-window_size, None), in the model's dtype), nothing recomputed;
+    attention_stats has no column sums over chosen rows, so those rows, (B, H, window, S), are
+    held for the moment the score takes, as kvpress's own window is."""
 
     compression_ratio: float = 0.0
     window_size: int = 64
     kernel_size: int = 5
 
+    def _layer_stats(self):
+        return {"rows": slice(-self.window_size, None)}
+
     def score(self, module, hidden_states, keys, values, attentions, kwargs):
         w = self.window_size
         assert hidden_states.shape[1] > w, f"Query length {hidden_states.shape[1]} should be greater than the window size {w}"
-        sums = window_column_sums(module, hidden_states, keys, values, w, kwargs["position_embeddings"])
-        # mean over the window's rows; pooling and the group mean are linear, so their order is free
-        scores = sums[..., :-w] / w
-        scores = F.avg_pool1d(scores, kernel_size=self.kernel_size, padding=self.kernel_size // 2, stride=1)
+        stats = self._stats(module, keys)
+        if stats is not None:
+            means = _window_rows_mean(stats["rows"], keys.shape[1])
+        else:
+            means = window_column_sums(module, hidden_states, keys, values, w, kwargs["position_embeddings"]) / w
+        # pooling and the group mean are linear per key column, so their order is free
+        scores = F.avg_pool1d(means[..., :-w], kernel_size=self.kernel_size, padding=self.kernel_size // 2, stride=1)
         return F.pad(scores, (0, w), value=scores.max().item() + 1)  # the window itself is always kept
 
 
 @dataclass
-class FusedTOVAPress(TOVAPress):
-    """TOVAPress with the last query's row of P from the fused statistics: averaged over all query
-    heads (the group means averaged over the KV heads), the same score for every KV head, the last
-    key always kept."""
+class FusedTOVAPress(_FromLayerStats, TOVAPress):
+    """TOVAPress with the last query's row of P from sdpa_math (recomputed query and the fused
+    statistics on "sdpa"; the layer's own call's last row on "exact_attention"), averaged over all
+    query heads (the group means averaged over the KV heads): the same score for every KV head,
+    the last key always kept."""
 
     compression_ratio: float = 0.0
 
+    def _layer_stats(self):
+        return {"rows": slice(-1, None)}
+
     def score(self, module, hidden_states, keys, values, attentions, kwargs):
-        row = window_column_sums(module, hidden_states, keys, values, 1, kwargs["position_embeddings"])
+        stats = self._stats(module, keys)
+        if stats is not None:
+            row = _window_rows_mean(stats["rows"], keys.shape[1])
+        else:
+            row = window_column_sums(module, hidden_states, keys, values, 1, kwargs["position_embeddings"])
         scores = row[..., :-1].mean(1, keepdim=True).repeat(1, keys.shape[1], 1)
         return F.pad(scores, (0, 1), value=scores.max().item() + 1)
