@@ -2,8 +2,8 @@
 
 Times one prefill (model forward on L tokens with the press's hook pruning every layer's cache)
 of a tiny random Llama, median of --repeat runs after a warm-up, same process, same weights and
-tokens; and, in one untimed run per route, the largest tensor any op returned (a whole
-(B, H, L, S) map or not). Needs the kvpress environment (scripts/setup_kvpress_env.sh):
+tokens; and, in one untimed run per route, the most (L, S) planes one op's output held (H for
+the whole map of a layer, 1 for a causal mask, 0 for none). Needs the kvpress environment (scripts/setup_kvpress_env.sh):
 
     PYTHONPATH=python KVENV/bin/python bench/kvpress_prefill.py [--tokens 2048] [--threads N]
 
@@ -13,7 +13,8 @@ Routes per press (compression 0.5):
   SnapKV  kvpress SnapKVPress on sdpa (window by hand) | ours on sdpa (window's column sums, fused)
           | ours on exact_attention (the window's rows from the layer's call)
   TOVA    kvpress TOVAPress on sdpa | ours on sdpa | ours on exact_attention
-and, for scale, the prefill without a press on eager, sdpa and exact_attention.
+and, for scale, the prefill without a press on eager, sdpa and exact_attention. Then the scoring
+alone: one layer's score() on the arguments its hook received (SnapKV, TOVA; H2O's second pass).
 """
 import argparse
 import statistics
@@ -23,16 +24,19 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
-class Largest(TorchDispatchMode):
-    def __init__(self):
+class MapPlanes(TorchDispatchMode):
+    """The most (L, S) planes that one tensor returned by an op held while active: H x B for an
+    attention map, 1 for a causal mask, 0 where no op returned anything of P's trailing shape."""
+
+    def __init__(self, L):
         super().__init__()
-        self.numel = 0
+        self.L, self.planes = L, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.numel = max(self.numel, t.numel())
+            if isinstance(t, torch.Tensor) and t.dim() >= 2 and tuple(t.shape[-2:]) == (self.L, self.L):
+                self.planes = max(self.planes, t.numel() // (self.L * self.L))
         return out
 
 
@@ -91,21 +95,56 @@ def main():
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, threads {torch.get_num_threads()}; "
           f"Llama {args.layers} layers, {H} heads / {args.kv_heads} KV heads, head dim {args.head_dim}, "
           f"{L} tokens, {args.dtype}, compression 0.5, SnapKV window {w}; median of {args.repeat}")
-    map_numel = H * L * L
-    print(f"{'press':<16}{'attention':<17}{'prefill ms':>11}{'largest tensor':>16}{'kept':>6}")
-    for name, impl, press in routes:
+    # Routes interleaved (one run of each per round) so that a busy machine slows them alike.
+    for name, impl, press in routes:  # warm-up
         model.set_attn_implementation(impl)
-        cache = prefill(press)  # warm-up
-        times = []
-        for _ in range(args.repeat):
+        prefill(press)
+    times = {i: [] for i in range(len(routes))}
+    for _ in range(args.repeat):
+        for i, (name, impl, press) in enumerate(routes):
+            model.set_attn_implementation(impl)
             t0 = time.perf_counter()
             prefill(press)
-            times.append((time.perf_counter() - t0) * 1e3)
-        mode = Largest()
-        prefill(press, mode)
-        big = f"{mode.numel / map_numel:.3g} maps" if mode.numel >= map_numel / 8 else f"{mode.numel:,}"
-        print(f"{name:<16}{impl:<17}{statistics.median(times):>11.1f}{big:>16}{cache.layers[0].keys.shape[2]:>6}")
+            times[i].append((time.perf_counter() - t0) * 1e3)
+    print(f"{'press':<16}{'attention':<17}{'prefill ms':>11}{'min ms':>8}{'(L,S) planes':>13}{'kept':>6}")
+    for i, (name, impl, press) in enumerate(routes):
+        model.set_attn_implementation(impl)
+        mode = MapPlanes(L)
+        cache = prefill(press, mode)
+        print(f"{name:<16}{impl:<17}{statistics.median(times[i]):>11.1f}{min(times[i]):>8.1f}{mode.planes:>13}"
+              f"{cache.layers[0].keys.shape[2]:>6}")
 
+    # The scoring alone (what the presses change where the model's attention is the same): one
+    # layer's score() on the arguments its hook received, median of 3 x repeat calls.
+    model.set_attn_implementation("sdpa")
+    grab = {}
+
+    def keep(module, hidden_states, keys, values, attentions, kwargs):
+        grab.setdefault("args", (module, hidden_states, keys, values, attentions, kwargs))
+        return keys.norm(dim=-1)
+
+    probe = kvpress.KnormPress(0.5)
+    probe.score = keep
+    prefill(probe)
+    pairs = [("SnapKV", kvpress.SnapKVPress(0.5, window_size=w), ours.FusedSnapKVPress(0.5, window_size=w)),
+             ("TOVA", kvpress.TOVAPress(0.5), ours.FusedTOVAPress(0.5)),
+             ("H2O (second pass)", None, ours.FusedObservedAttentionPress(0.5))]
+    print(f"score() of one layer on sdpa: {'press':<18}{'kvpress ms':>11}{'ours ms':>9}")
+    for name, theirs, mine in pairs:
+        row = []
+        for press in (theirs, mine):
+            if press is None:
+                row.append(float("nan"))
+                continue
+            with torch.no_grad():
+                press.score(*grab["args"])
+                ts = []
+                for _ in range(3 * args.repeat):
+                    t0 = time.perf_counter()
+                    press.score(*grab["args"])
+                    ts.append((time.perf_counter() - t0) * 1e3)
+            row.append(statistics.median(ts))
+        print(f"{'':<30}{name:<18}{row[0]:>11.2f}{row[1]:>9.2f}")
 
 if __name__ == "__main__":
     main()
