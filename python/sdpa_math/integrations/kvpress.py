@@ -25,7 +25,7 @@ them as they take any ScorerPress):
   (B, H, L, S) map is formed: eager attention is not needed.
 * FusedSnapKVPress: the window's queries (kvpress's own get_prerope_query_states and
   transformers' rotate_half), then the column sums of their rows of P over all keys in one fused
-  pass, GQA groups averaged in the kernel (col_sum="group_mean"; the keys are not repeated). On
+  pass, GQA groups read by the kernel without repeating the keys, then averaged (col_sum="group_mean"). On
   "exact_attention" the window's rows come from the layer's own attention call instead (the
   collector's rows=slice(-window_size, None)), nothing recomputed.
 * FusedTOVAPress: the same for the last query, averaged over all heads.
