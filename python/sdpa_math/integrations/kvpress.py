@@ -11,8 +11,8 @@ receive, and each gets those scores by holding a piece of the probability map P:
 * TOVAPress: the same recomputation for the last row.
 
 The presses here are subclasses of those three that override only `score`, so they keep kvpress's
-pruning, its hooks, its pipeline and its wrappers (AdaKVPress, PerLayerCompressionPress, ... take
-them as they take any ScorerPress):
+pruning and hooks, and kvpress's wrapper presses take them as any ScorerPress (AdaKVPress is
+tested):
 
 * FusedObservedAttentionPress: the column sums of P, normalised by each key's visible queries and
   averaged over each GQA group (attention_stats' col_sum="group_mean", visible_normalized=True),
@@ -25,9 +25,9 @@ them as they take any ScorerPress):
   (B, H, L, S) map is formed: eager attention is not needed.
 * FusedSnapKVPress: the window's queries (kvpress's own get_prerope_query_states and
   transformers' rotate_half), then the column sums of their rows of P over all keys in one fused
-  pass, GQA groups read by the kernel without repeating the keys, then averaged (col_sum="group_mean"). On
-  "exact_attention" the window's rows come from the layer's own attention call instead (the
-  collector's rows=slice(-window_size, None)), nothing recomputed.
+  pass (GQA groups read by the kernel without repeating the keys, then averaged:
+  col_sum="group_mean"). On "exact_attention" the window's rows come from the layer's own
+  attention call instead (the collector's rows=slice(-window_size, None)), nothing recomputed.
 * FusedTOVAPress: the same for the last query, averaged over all heads.
 
 Scores are float32 (float64 for float64 models) however the model is stored; kvpress's own are
@@ -189,7 +189,8 @@ class FusedSnapKVPress(_FromLayerStats, SnapKVPress):
 
     def score(self, module, hidden_states, keys, values, attentions, kwargs):
         w = self.window_size
-        assert hidden_states.shape[1] > w, f"Query length {hidden_states.shape[1]} should be greater than the window size {w}"
+        assert hidden_states.shape[1] > w, \
+            f"Query length {hidden_states.shape[1]} should be greater than the window size {w}"
         stats = self._stats(module, keys)
         if stats is not None:
             means = _window_rows_mean(stats["rows"], keys.shape[1])
