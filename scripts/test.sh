@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up, builds once and runs every test: the C++ core (GoogleTest through CTest), the Python
-# package against PyTorch (pytest; the GPU tests skip without a GPU), then the performance gate on
-# the small CPU set. Prints each step's time, and a summary of them at the end.
+# package against PyTorch (pytest; the GPU tests skip without a GPU), the kvpress integration in
+# kvpress's own environment, then the performance gate on the small CPU set. Prints each step's time, and a summary of them at the end.
 #
 # One build serves every step: the package is installed with pip (the route users take) from a
 # build folder, build/test, that also holds the C++ tests and the command line, so CTest runs the
@@ -40,6 +40,12 @@ step ctest ctest --test-dir "$build" -j"$(nproc)" --output-on-failure
 export TORCHINDUCTOR_CACHE_DIR="$PWD/build/inductor-cache"
 rm -rf "$TORCHINDUCTOR_CACHE_DIR"
 step pytest "$venv/bin/python" -m pytest -q -p no:cacheprovider --durations=15 tests/python
+
+# kvpress's presses on the fused statistics, in their own environment (kvpress pins transformers
+# below the 5.17 of the main one; scripts/setup_kvpress_env.sh reuses its PyTorch and sdpa_math).
+kvenv=$(bash scripts/setup_kvpress_env.sh "$venv" | tail -n 1)
+step_done "kvpress environment ($kvenv)"
+step kvpress "$kvenv/bin/python" -m pytest -q -p no:cacheprovider tests/python/test_kvpress.py
 
 step gate bash scripts/gate_cpu.sh "$venv"
 step_summary
