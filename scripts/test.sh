@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up, builds once and runs every test: the C++ core (GoogleTest through CTest), the Python
 # package against PyTorch (pytest; the GPU tests skip without a GPU), the kvpress integration in
-# kvpress's own environment, then the performance gate on the small CPU set. Prints each step's time, and a summary of them at the end.
+# kvpress's own environment, then the performance gate on the small CPU set. Prints each step's
+# time, and a summary of them at the end.
 #
 # One build serves every step: the package is installed with pip (the route users take) from a
 # build folder, build/test, that also holds the C++ tests and the command line, so CTest runs the
