@@ -299,6 +299,45 @@ def test_kl_to_of_a_nan_row_is_nan(dtype, grad):
     assert torch.isfinite(kl[..., [0, 2, 4]]).all()
 
 
+KL_ROUTES = {  # attention_stats keywords: kl_to alone (whole, or _KLChunk per chunk), with
+    "alone": {},  # another statistic (the checkpointed chunks), and the chunked composition
+    "alone_chunks": {"chunk_rows": 2},
+    "with_entropy": {"row_entropy": True},
+    "with_col_sum": {"col_sum": "per_head"},
+    "with_rows_chunks": {"rows": slice(1, None), "chunk_rows": 2},
+    "chunks": {"method": "chunks", "row_entropy": True},
+}
+
+
+@pytest.mark.parametrize("route", sorted(KL_ROUTES))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, F64])
+@pytest.mark.parametrize("device", DEVICES)
+def test_kl_to_gradient_is_zero_on_the_references_zeros(route, dtype, device):
+    """A causal teacher has exact zeros. Where the reference is 0 its term is 0 and so is the
+    gradient to it, in every route (the checkpointed chunks' r log r once gave NaN there); elsewhere
+    the gradient is log(r / P) + 1, as autograd through the float64 formula gives."""
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, 2, 5, 8, generator=g).to(device=device, dtype=dtype) for _ in range(3))
+    teacher = torch.softmax(torch.randn(2, 2, 5, 5, generator=g, dtype=F64), -1)
+    teacher = teacher.masked_fill(~torch.ones(5, 5, dtype=torch.bool).tril(), 0.0)
+    teacher = teacher / teacher.sum(-1, keepdim=True)
+    R = teacher.to(device=device, dtype=dtype).requires_grad_(True)
+    kl = attention_stats(q, k, v, None, 0.0, True, kl_to=R, **KL_ROUTES[route])[1]["kl_to"]
+    got = torch.autograd.grad(kl.sum(), R)[0]
+    assert torch.isfinite(got).all(), got
+    zeros = R.detach() == 0
+    assert zeros.any() and (got[zeros] == 0).all()
+    R64 = R.detach().double().cpu().requires_grad_(True)
+    P64 = torch.softmax((q.double().cpu() @ k.double().cpu().transpose(-1, -2) / math.sqrt(8)).masked_fill(
+        ~torch.ones(5, 5, dtype=torch.bool).tril(), float("-inf")), -1)
+    positive = R64 > 0
+    kl64 = torch.where(positive, R64 * (torch.where(positive, R64, 1.0) / torch.where(positive, P64, 1.0)).log(),
+                       0.0).sum(-1)
+    want = torch.autograd.grad(kl64.sum(), R64)[0]
+    tol = {torch.float16: 2e-2, torch.bfloat16: 1e-1}.get(dtype, 1e-5)
+    torch.testing.assert_close(got.double().cpu(), want, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_kl_to_reference_gradient_is_finite_where_P_underflows_in_fp32(dtype):
     """A logit gap past fp32's exp range (P underflows even in fp32) with mass on those keys: the

@@ -49,13 +49,17 @@ def _forward_on_fp32_copies(q, k, v, m, is_causal, scale, enable_gqa):
 def _kl_rows_with_graph(r, p, q, k, m, scale, enable_gqa):
     """Σ_j r log(r / P) per row, differentiable (the checkpointed chunks): log P from the fp32
     logits of q, k and the mask m for fp16/bf16 inputs (_log_probs_fp32), else from P; terms with
-    r = 0 are 0."""
+    r = 0 are 0, and so is the gradient to r there."""
     if q.dtype in _HALF:
         logp_fp32 = _log_probs_fp32(q, k, m, scale, enable_gqa)
         logp = torch.where(r > 0, logp_fp32, torch.zeros_like(logp_fp32))
     else:
         logp = torch.log(torch.where(r > 0, p.to(r.dtype), torch.ones_like(r)))
-    return (torch.xlogy(r, r) - r * logp).sum(-1)
+    # r log r with its gradient 0 where r = 0, as kl_to alone gives (xlogy's gradient to its
+    # second argument, r / r, is NaN there): the logarithm only ever sees positive entries.
+    positive = r > 0
+    rlogr = torch.where(positive, r * torch.log(torch.where(positive, r, torch.ones_like(r))), torch.zeros_like(r))
+    return (rlogr - r * logp).sum(-1)
 
 
 def _kl_rows_from_p(r, p, lse):
