@@ -1088,3 +1088,43 @@ def test_fused_rows_window_is_P_at_those_rows(name, dtype):
         _, st = attention_stats(q, k, v, mask, rows=win, row_entropy=True, method="fused", **kw)
         assert st["rows"].dtype == P.dtype and st["rows"].shape == P[..., win, :].shape
         torch.testing.assert_close(st["rows"], P[..., win, :])
+
+
+@pytest.mark.parametrize("gqa", [False, True])
+@pytest.mark.parametrize("device", DEVICES)
+def test_heads_compute_only_the_chosen_heads_as_the_whole_call_does(gqa, device):
+    """heads=[...]: every statistic (and O) of the chosen query heads, each with its own key head,
+    mask rows and reference, equal to the whole call's sliced; gradients reach q, k, v only
+    through the chosen heads."""
+    g = torch.Generator().manual_seed(11)
+    H, Hkv = 6, (3 if gqa else 6)
+    q = torch.randn(2, H, 7, 16, generator=g).to(device).requires_grad_(True)
+    k, v = (torch.randn(2, Hkv, 9, 16, generator=g).to(device).requires_grad_(True) for _ in range(2))
+    mask = torch.randn(2, H, 7, 9, generator=g).to(device)
+    R = torch.softmax(torch.randn(2, H, 7, 9, generator=g), -1).to(device)
+    heads = [4, 1]
+    kw = dict(enable_gqa=gqa, col_sum="per_head", row_entropy=True, rows=slice(-3, None), head_mean=True)
+    o_all, st_all = attention_stats(q, k, v, mask, kl_to=R, **{**kw, "head_mean": False})
+    o, st = attention_stats(q, k, v, mask, kl_to=R, heads=heads, **kw)
+    idx = torch.tensor(heads, device=device)
+    torch.testing.assert_close(o, o_all[:, idx])
+    for name in ("col_sum", "row_entropy", "rows", "kl_to"):
+        torch.testing.assert_close(st[name], st_all[name][:, idx], msg=name)
+    _, P = sdpa_math.attention(q, k, v, mask, enable_gqa=gqa)
+    torch.testing.assert_close(st["head_mean"], P[:, idx].mean(1).float())
+    grads = torch.autograd.grad(o.sum() + st["row_entropy"].sum(), (q, k, v))
+    assert (grads[0][:, [0, 2, 3, 5]] == 0).all() and (grads[0][:, heads] != 0).any()
+    if gqa:  # heads 4 and 1 read key heads 2 and 0 (groups of 2): key head 1 gets nothing
+        assert (grads[1][:, 1] == 0).all() and (grads[1][:, [0, 2]] != 0).any()
+
+
+def test_heads_refuses_what_it_cannot_do():
+    q = torch.randn(1, 4, 3, 8)
+    with pytest.raises(ValueError, match="heads must be a non-empty sequence"):
+        attention_stats(q, q, q, row_entropy=True, heads=[4])
+    with pytest.raises(ValueError, match="heads must be a non-empty sequence"):
+        attention_stats(q, q, q, row_entropy=True, heads=[])
+    with pytest.raises(ValueError, match="heads with group column sums"):
+        attention_stats(q, q, q, col_sum="group_sum", heads=[0])
+    with pytest.raises(ValueError, match="needs inputs with a head dim"):
+        attention_stats(q[0, 0], q[0, 0], q[0, 0], row_entropy=True, heads=[0])

@@ -33,7 +33,7 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     col_sum: str | None = None, visible_normalized: bool = False,
                     row_entropy: bool = False, head_mean: bool = False,
                     rows: slice | None = None, kl_to: torch.Tensor | None = None,
-                    chunk_rows: int | None = None, method: str = "auto") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                    heads=None, chunk_rows: int | None = None, method: str = "auto") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Returns (out, stats): O of sdpa_math.attention and the statistics of P asked for.
 
     Arguments up to enable_gqa are sdpa_math.attention's (dropout_p must be 0). P is the map
@@ -52,6 +52,11 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     head_mean: (*batch, L, S), P averaged over the head dim (dim -3 of P).
     kl_to: a reference map broadcastable to P's shape -> (*lead, L),
         sum_j Pref log(Pref / P) (terms with Pref = 0 are 0; +inf where Pref > 0 and P = 0).
+    heads: query heads to compute (a sequence of indices into the head dim, dim -3 of q and P):
+        everything, O included, is then that of q[..., heads, :, :] with each head's own key
+        head (its GQA group's), mask and reference rows, and only those heads are computed
+        (Whisper's alignment heads are a few of a layer's). head_mean averages the chosen heads;
+        group column sums are refused with heads (a group would be partly chosen).
     chunk_rows: query rows per chunk; default: a chunk's P is at most 64 MiB.
     method: "auto" (the fused operator where it applies, else chunks; rows alone on CUDA
         fp16/bf16 without a mask or gradient: O from PyTorch's fused kernel and only the
@@ -63,6 +68,12 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     Every output is differentiable through q, k, v and a float mask (and kl_to's reference).
     """
     _check_options(dropout_p, col_sum, visible_normalized, method, chunk_rows)
+    if heads is not None:
+        if col_sum in ("group_sum", "group_mean"):
+            raise ValueError("attention_stats: heads with group column sums: a GQA group would be partly chosen; "
+                             "ask for col_sum='per_head' and add the chosen heads' sums")
+        query, key, value, attn_mask, kl_to, enable_gqa = _select_heads(heads, query, key, value, attn_mask, kl_to,
+                                                                        enable_gqa)
     plan, p0 = _plan(query, key, value, attn_mask, is_causal, scale, enable_gqa, col_sum, visible_normalized,
                      row_entropy, head_mean, rows, kl_to)
     lead, L, S, win = plan.lead, plan.L, plan.S, plan.win
@@ -91,6 +102,39 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     else:
         parts = _run_chunks(plan, bounds, query, key, value, attn_mask, kl_to)
     return _gather(plan, parts, p0, attn_mask, bounds, query.device)
+
+
+def _select_heads(heads, query, key, value, attn_mask, kl_to, enable_gqa):
+    """The problem of the chosen query heads alone: q's heads (dim -3) indexed, each paired with its
+    own key and value head (its GQA group's, or the one head all share), the mask's and the
+    reference's heads where they have their own; then no GQA is left to resolve."""
+    if query.dim() < 3:
+        raise ValueError(f"attention_stats: heads needs inputs with a head dim (3+ dims), got q of shape "
+                         f"{tuple(query.shape)}")
+    H = query.shape[-3]
+    try:
+        chosen = [int(h) for h in heads]
+    except TypeError:
+        raise TypeError(f"attention_stats: heads must be a sequence of head indices, got {type(heads).__name__}") \
+            from None
+    if not chosen or any(isinstance(h, bool) or not -H <= int(h) < H for h in heads):
+        raise ValueError(f"attention_stats: heads must be a non-empty sequence of indices in [-{H}, {H}), got "
+                         f"{list(heads)!r}")
+    idx = torch.tensor([h % H for h in chosen], device=query.device)
+
+    def own_heads(t, groups_of):  # t's heads for the chosen query heads, where t has heads of its own
+        if t is None or t.dim() < 3 or t.shape[-3] == 1:
+            return t
+        n = t.shape[-3]
+        if n == H:
+            return t.index_select(-3, idx)
+        if groups_of and n and H % n == 0:
+            return t.index_select(-3, torch.div(idx, H // n, rounding_mode="floor"))
+        return t  # a shape the operator itself refuses, with its own error
+
+    gqa = enable_gqa and key.dim() >= 3 and key.shape[-3] not in (H, 1)
+    return (query.index_select(-3, idx), own_heads(key, gqa), own_heads(value, gqa), own_heads(attn_mask, False),
+            own_heads(kl_to, False), enable_gqa and not gqa)
 
 
 def _check_options(dropout_p, col_sum, visible_normalized, method, chunk_rows):
