@@ -144,3 +144,28 @@ def test_refusals(models):
     with col.collect(ours, row_entropy=True):
         with pytest.raises(ValueError, match="already active"):
             col.collect(ours, row_entropy=True).__enter__()
+
+
+def test_chosen_heads_of_chosen_layers_only(models, batch):
+    """heads={layer: [...]}: only that layer is collected, only its chosen heads' rows and entropy,
+    equal to eager's maps of those heads; the model's logits are unchanged."""
+    eager, ours = models
+    ids, mask = batch
+    maps = _eager_maps(eager, ids, mask)
+    chosen = [5, 2]
+    with torch.no_grad(), col.collect(ours, heads={1: chosen}, rows=slice(-3, None), row_entropy=True) as rec:
+        logits = ours(input_ids=ids, attention_mask=mask).logits
+    with torch.no_grad():
+        outside = ours(input_ids=ids, attention_mask=mask).logits
+    assert set(rec.stats) == {1}
+    want = maps[1][:, chosen]
+    torch.testing.assert_close(rec.stats[1]["rows"], want[:, :, -3:], atol=ATOL, rtol=0)
+    ent = -(want * want.clamp_min(1e-30).log()).sum(-1)
+    torch.testing.assert_close(rec.stats[1]["row_entropy"], ent, atol=1e-4, rtol=0)
+    torch.testing.assert_close(logits, outside, atol=1e-5, rtol=1e-5)  # padded rows too: O follows the contract
+
+
+def test_per_layer_keywords_name_layers_the_model_has(models):
+    with pytest.raises(ValueError, match="heads names layers \\[7\\]"):
+        with col.collect(models[1], heads={7: [0]}, row_entropy=True):
+            pass

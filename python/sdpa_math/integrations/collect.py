@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import torch
 
+from .._ops import ops
+from ..api import attention
 from ..stats import attention_stats
 from . import transformers as hf
 
 __all__ = ["collect", "Recorder", "collect_attention_forward", "STAT_KEYWORDS"]
 
-STAT_KEYWORDS = ("col_sum", "visible_normalized", "row_entropy", "head_mean", "rows", "chunk_rows")
+STAT_KEYWORDS = ("col_sum", "visible_normalized", "row_entropy", "head_mean", "rows", "heads", "chunk_rows")
+PER_LAYER = ("rows", "heads")  # keywords that may also be {layer number: value}
 _ATTR = "_sdpa_math_collect"  # per module: the Recorder collecting for it
 _active = 0                   # collectors inside their `with` block
 _saved = {}                   # name -> the local-mapping entry before the first collector (or _MISSING)
@@ -49,10 +52,26 @@ class Recorder:
         self._owner: dict = {}
         self._names: dict = {}
 
-    def _record(self, module, stats):
+    def _key(self, module):
         name = self._names.get(module, type(module).__name__)
         key = hf._layer_number(name, module)
-        key = name if key is None else key
+        return name, (name if key is None else key)
+
+    def options_for(self, module):
+        """attention_stats' keywords for this module's layer, or None where a per-layer keyword
+        ({layer: value}) leaves its layer out: that layer is not collected."""
+        _, key = self._key(module)
+        opts = {}
+        for k, v in self.options.items():
+            if k in PER_LAYER and isinstance(v, dict):
+                if key not in v:
+                    return None
+                v = v[key]
+            opts[k] = v
+        return opts
+
+    def _record(self, module, stats):
+        name, key = self._key(module)
         owner = self._owner.setdefault(key, name)
         if owner != name:
             raise ValueError(f"collect: attention modules {owner} and {name} both have layer number {key}; "
@@ -67,23 +86,37 @@ def collect_attention_forward(module, query, key, value, attention_mask, dropout
     a recorder: O from attention_stats, the statistics stored in the recorder, weights None.
     Any other module: _fallback (the entry the collector replaced) answers."""
     rec = module.__dict__.get(_ATTR)
-    if rec is None:
+    options = rec.options_for(module) if rec is not None else None
+    if options is None:
         fallback = _fallback or hf.exact_attention_forward
         return fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                         is_causal=is_causal, sliding_window=sliding_window, s_aux=s_aux, position_bias=position_bias,
                         **kwargs)
     S = key.shape[-2]
-    if s_aux is not None and rec.options.get("row_entropy"):
+    if s_aux is not None and options.get("row_entropy"):
         raise ValueError("collect: row_entropy with attention sinks (s_aux) is not supported: the sink takes part "
                          "of each row's mass, so the entropy of the key columns alone is not a row entropy")
     key, value, mask, dropout, causal, gqa = hf.operator_inputs(
         module, query, key, value, attention_mask, dropout, is_causal, sliding_window, s_aux, position_bias, kwargs)
-    out, stats = attention_stats(query, key, value, mask, dropout, causal, scale=scaling, enable_gqa=gqa,
-                                 **rec.options)
+    out, stats = attention_stats(query, key, value, mask, dropout, causal, scale=scaling, enable_gqa=gqa, **options)
+    if options.get("heads") is not None:
+        out = _every_heads_output(query, key, value, mask, causal, scaling, gqa)
     if s_aux is not None:  # drop the sink's column, as exact_attention_forward drops it from P
         stats = {k: (v[..., :S] if k in ("col_sum", "rows", "head_mean") else v) for k, v in stats.items()}
     rec._record(module, stats)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _every_heads_output(query, key, value, mask, causal, scale, gqa):
+    """The layer's O of every head where the statistics were of chosen heads: the fused statistics
+    operator with nothing asked (O without forming P) where it runs without a gradient, else the
+    operator itself. Both follow the contract (a fully masked row's O is 0, where PyTorch's own
+    attention gives NaN or the mean of V)."""
+    tracked = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, mask))
+    if not tracked and (query.device.type == "cpu" or ops.forward_stats_has_kernel(
+            query, key, value, mask, causal, scale, gqa, False, False, 0)):
+        return ops.forward_stats(query, key, value, mask, causal, scale, gqa, False, False, 0, 0, 1)[0]
+    return attention(query, key, value, mask, 0.0, causal, scale=scale, enable_gqa=gqa)[0]
 
 
 def _install():
@@ -118,7 +151,9 @@ class collect:
     """with collect(model, **stats) as rec: model(...)  ->  rec.stats[layer] (see Recorder).
 
     stats: attention_stats' statistic keywords: col_sum, visible_normalized, row_entropy,
-    head_mean, rows, chunk_rows (docs/statistics.md). model.config._attn_implementation must be
+    head_mean, rows, heads, chunk_rows (docs/statistics.md). rows and heads may also be given per
+    layer, as {layer number: value}: then only the layers named there are collected (the others
+    run the model's attention as before), e.g. heads={3: [1, 5], 4: [0]} for alignment heads. model.config._attn_implementation must be
     "exact_attention" or "sdpa_math" (ValueError otherwise). Dropout must be off (model.eval(), or
     attention_dropout=0): attention_stats raises for dropout. row_entropy with attention sinks
     raises. Not reentrant on the same model (ValueError)."""
@@ -142,6 +177,12 @@ class collect:
         if any(_ATTR in m.__dict__ for m in modules.values()):
             raise ValueError("collect: a collector is already active on this model")
         self.recorder._names = {m: name for name, m in modules.items()}
+        numbers = {hf._layer_number(name, m) for name, m in modules.items()}
+        for k in PER_LAYER:
+            per_layer = self.recorder.options.get(k)
+            if isinstance(per_layer, dict) and set(per_layer) - numbers:
+                raise ValueError(f"collect: {k} names layers {sorted(set(per_layer) - numbers, key=str)} that this "
+                                 "model does not have")
         for m in modules.values():
             m.__dict__[_ATTR] = self.recorder
         _install()
