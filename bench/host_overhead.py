@@ -5,8 +5,10 @@ PyTorch's fused SDPA (no P) and the math op; forward without grad, forward with 
 
     python bench/host_overhead.py [N]
 
-Session 15 moved autograd from torch.library's Python registration into C++
-(python/sdpa_math/csrc/autograd.cpp); the before/after figures are in bench/NOTES.md."""
+Autograd runs in C++ (python/sdpa_math/csrc/autograd.cpp). The row "Python autograd over the
+ops" runs the same two ops under a torch.autograd.Function instead: the shape a build on
+PyTorch's stable ABI would have (its ops are boxed kernels, and autograd must be registered from
+Python), so the difference is what that ABI would cost each call (docs/decisions.md)."""
 import sys
 import time
 
@@ -23,6 +25,27 @@ def mean_us(fn, n):
     for _ in range(n):
         fn()
     return (time.perf_counter() - t0) / n * 1e6
+
+
+class _PythonAutograd(torch.autograd.Function):
+    """sdpa_math's forward and backward ops under autograd registered from Python."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        o, p, lse = torch.ops.sdpa_math.forward(q, k, v, None, 0.0, False, None, None, False, None)
+        ctx.save_for_backward(q, k, v, o, p, lse)
+        return o, p
+
+    @staticmethod
+    def backward(ctx, d_o, d_p):
+        q, k, v, o, p, lse = ctx.saved_tensors
+        dq, dk, dv, _ = torch.ops.sdpa_math.backward(d_o, d_p, q, k, v, None, lse, o, p, 0.0, False, None, None,
+                                                     False, None, [True, True, True, False])
+        return dq, dk, dv
+
+
+def python_autograd(q, k, v):
+    return _PythonAutograd.apply(q, k, v)
 
 
 def main(n=3000):
@@ -51,7 +74,8 @@ def main(n=3000):
                 torch.autograd.grad(res, leaves, d_out)
         return run
 
-    rows = [("sdpa_math.attention", sdpa_math.attention, True), ("F.scaled_dot_product_attention (no P)",
+    rows = [("sdpa_math.attention", sdpa_math.attention, True),
+            ("Python autograd over the ops", python_autograd, True), ("F.scaled_dot_product_attention (no P)",
             F.scaled_dot_product_attention, False), ("aten math op", math, True)]
     print(f"host time per call, µs (torch {torch.__version__}, one thread, {n} calls)")
     print(f"{'':40s} {'no grad':>9s} {'grad':>9s} {'fwd+bwd':>9s}")
