@@ -14,7 +14,7 @@ TINY_CAUSAL = Shape("tiny_causal", 1, 2, 2, 32, 32, 8, True)
 
 def test_every_cpu_way_gives_the_same_statistics():
     impls = bench.stats_impls("cpu")
-    assert set(impls) == {"ours", "rows64", "chunks", "native", "flash"}  # compiled is CUDA-only
+    assert set(impls) == {"ours", "rows64", "kvwindow", "chunks", "native", "flash"}  # compiled: CUDA only
     for s in (TINY, TINY_CAUSAL):
         q, k, v, _ = make_inputs(s, torch.float32, "cpu")
         scale = s.D ** -0.5
@@ -33,7 +33,7 @@ def test_every_cpu_way_gives_the_same_statistics():
 def test_a_row_and_its_report(tmp_path):
     impls = bench.stats_impls("cpu")
     row = bench.run_stats_row(impls, TINY, torch.bfloat16, "cpu", reps=3)
-    assert set(row["ms"]) == {"ours", "rows64", "chunks", "native", "flash"} and not row["errors"]
+    assert set(row["ms"]) == {"ours", "rows64", "kvwindow", "chunks", "native", "flash"} and not row["errors"]
     assert row["fused"] is True  # the CPU operator takes every input
     assert all(t > 0 for t in row["ms"].values())
     # bf16 inputs: the fused operator reduces fp32 rows of P; the others reduce P rounded to bf16
@@ -61,3 +61,16 @@ def test_every_kl_way_gives_the_same_gradients():
     for a, b in zip(grads["ours"], grads["native"]):
         torch.testing.assert_close(a, b)
     assert grads["ours"][0].abs().max() > 0
+
+
+def test_kvpress_window_column_computes_the_rows_ours_gives():
+    """The kvwindow column (kvpress's hand-recomputed SnapKV window) times the same 64 rows of P as
+    rows64, with a causal mask and GQA, so the two columns compare like for like."""
+    impls = bench.stats_impls("cpu")
+    for s in (Shape("gqa_causal", 1, 4, 2, 80, 80, 8, True), TINY):
+        q, k, v, _ = make_inputs(s, torch.float32, "cpu")
+        scale = s.D ** -0.5
+        o_kv, window = impls["kvwindow"](q, k, v, s, scale)
+        o_ours, st = impls["rows64"](q, k, v, s, scale)
+        torch.testing.assert_close(window, st["rows"], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(o_kv, o_ours, atol=1e-5, rtol=1e-5)

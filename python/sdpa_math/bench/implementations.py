@@ -149,6 +149,10 @@ def stats_impls(device):
       native   the math op's P, then the reductions
       compiled torch.compile of eager attention's P and the reductions (CUDA only: on the CPU its
                compile takes minutes per shape)
+      kvwindow what kvpress's SnapKV press does today for its window (compute_window_attention):
+               the layer's O from PyTorch's fused kernel, then the last 64 queries' map recomputed
+               by hand (keys repeated per query head, a product, the causal mask, an fp32
+               softmax): the route rows64 replaces
       flash    PyTorch's fused kernel without P or statistics: the speed of light"""
     from ..stats import attention_stats
 
@@ -172,7 +176,16 @@ def stats_impls(device):
         return attention_stats(q, k, v, is_causal=s.causal, scale=scale, enable_gqa=s.Hq != s.Hkv,
                                rows=slice(-64, None))
 
-    impls = {"ours": ours, "rows64": rows64,
+    def kvwindow(q, k, v, s, scale):
+        gqa = s.Hq != s.Hkv
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=s.causal, scale=scale, enable_gqa=gqa)
+        w = min(64, q.shape[-2])
+        scores = (q[..., -w:, :] @ _repeat_kv(k, s.Hq // s.Hkv).transpose(-2, -1)) * scale
+        if s.causal:  # the window's rows of the map: row i of the last w sees keys up to S - w + i
+            scores = scores.masked_fill(_causal_hidden(q, k)[..., -w:, :], float("-inf"))
+        return out, torch.softmax(scores, dim=-1, dtype=torch.float32)
+
+    impls = {"ours": ours, "rows64": rows64, "kvwindow": kvwindow,
              "chunks": lambda q, k, v, s, scale: ours(q, k, v, s, scale, method="chunks"),
              "native": native,
              "flash": lambda q, k, v, s, scale: F.scaled_dot_product_attention(
