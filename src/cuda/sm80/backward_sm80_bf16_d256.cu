@@ -1,0 +1,12 @@
+// The tensor-core backward's kernels of bf16 inputs at head tile 256 (key blocks of 32 and 16 keys):
+// launch_backward of both tiles, compiling backward_tc's two variants (GENERAL true and false)
+// here, in a translation unit of its own so that a parallel build compiles the tiles side by
+// side. The host side is backward_sm80.cu.
+#include "backward_sm80_kernel.cuh"
+
+namespace sdpa_math::cuda::sm80 {
+
+SDPA_MATH_SM80_BWD_TILE(template, __nv_bfloat16, 256, 32)
+SDPA_MATH_SM80_BWD_TILE(template, __nv_bfloat16, 256, 16)
+
+}  // namespace sdpa_math::cuda::sm80
