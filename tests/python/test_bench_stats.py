@@ -3,6 +3,7 @@ the same column sums and row entropy, a row records times, errors against float6
 and the report renders. One tiny row on the CPU; the timings themselves are not judged here."""
 import json
 
+import pytest
 import torch
 
 from sdpa_math import bench
@@ -74,3 +75,17 @@ def test_kvpress_window_column_computes_the_rows_ours_gives():
         o_ours, st = impls["rows64"](q, k, v, s, scale)
         torch.testing.assert_close(window, st["rows"], atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(o_kv, o_ours, atol=1e-5, rtol=1e-5)
+
+
+def test_flash_colsum_column_is_the_mean_of_our_column_sums():
+    """The colsum column (flash-colsum, CUDA only, where installed) times a statistic ours gives
+    too: its column means are our per-head column sums averaged over heads and rows."""
+    if not torch.cuda.is_available():
+        pytest.skip("flash-colsum runs on CUDA only")
+    pytest.importorskip("flash_colsum")
+    s = Shape("gqa", 2, 4, 2, 128, 128, 64)
+    q, k, v, _ = make_inputs(s, torch.float16, "cuda")
+    impls = bench.stats_impls("cuda")
+    got = impls["colsum"](q, k, v, s, s.D ** -0.5)
+    _, st = impls["ours"](q, k, v, s, s.D ** -0.5)
+    torch.testing.assert_close(got.float(), st["col_sum"].mean(1) / s.L, rtol=2e-2, atol=1e-4)

@@ -153,7 +153,11 @@ def stats_impls(device):
                the layer's O from PyTorch's fused kernel, then the last 64 queries' map recomputed
                by hand (keys repeated per query head, a product, the causal mask, an fp32
                softmax): the route rows64 replaces
-      flash    PyTorch's fused kernel without P or statistics: the speed of light"""
+      flash    PyTorch's fused kernel without P or statistics: the speed of light
+      colsum   flash-colsum's Triton column means (CUDA, where the package is installed: PyPI
+               flash-colsum), the one other library that reduces P's columns without storing P;
+               its statistic is the mean over heads and rows, its causal form takes batch 1 only
+               (other rows record its error), and it has no GQA (keys repeated per head)"""
     from ..stats import attention_stats
 
     def ours(q, k, v, s, scale, method="auto"):
@@ -191,6 +195,13 @@ def stats_impls(device):
              "flash": lambda q, k, v, s, scale: F.scaled_dot_product_attention(
                  q, k, v, is_causal=s.causal, scale=scale, enable_gqa=s.Hq != s.Hkv)}
     if device == "cuda":
+        try:
+            from flash_colsum import flash_colsum
+        except ImportError:
+            flash_colsum = None
+        if flash_colsum is not None:
+            impls["colsum"] = lambda q, k, v, s, scale: flash_colsum(
+                q, _repeat_kv(k, s.Hq // s.Hkv), scale=scale, is_causal=s.causal)
         compiled = compile_per_shape(eager_stats)
         impls["compiled"] = lambda q, k, v, s, scale: compiled(q, k, v, s.causal, scale, s.Hq // s.Hkv)
     return impls

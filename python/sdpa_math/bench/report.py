@@ -168,7 +168,7 @@ def plot(run, path):
     return str(path)
 
 
-STATS_COLUMNS = ["ours", "rows64", "kvwindow", "chunks", "native", "compiled", "flash"]
+STATS_COLUMNS = ["ours", "rows64", "kvwindow", "colsum", "chunks", "native", "compiled", "flash"]
 KL_COLUMNS = ["ours", "native", "flash"]
 
 
@@ -180,6 +180,7 @@ def stats_markdown(run):
              "ours: `attention_stats`, the fused operator where it applies (fused = yes: the CPU kernel, or the "
              "Hopper statistics kernel), else chunks of P; rows64: the same asked for P's last 64 rows only; "
              "kvwindow: kvpress's SnapKV route for the same 64 rows (O from flash, the window recomputed by hand); "
+             "colsum: flash-colsum's column means (CUDA, where installed); "
              "chunks: the same by chunks of P; native: the math op's P, then the reductions; compiled: torch.compile "
              "of eager attention and the reductions; flash: PyTorch's fused kernel, no P and no statistics.", "",
              "| shape | dtype | fused | " + " | ".join(f"{c} ms" for c in STATS_COLUMNS) +
