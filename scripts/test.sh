@@ -30,6 +30,7 @@ build=build/test
 # ccache (scripts/setup.sh installs it; CMakeLists.txt uses it when found) keyed on paths relative
 # to the clone, so a second clone on the same machine reuses the first one's objects.
 export CCACHE_BASEDIR="$PWD" CCACHE_NOHASHDIR=1
+if command -v ccache >/dev/null; then ccache --zero-stats >/dev/null; fi  # the hits printed below: this build's
 step build "$venv/bin/pip" install -q --no-build-isolation -C build-dir="$build" \
   -C cmake.define.SDPA_MATH_BUILD_TESTS=ON -C cmake.define.SDPA_MATH_BUILD_TOOLS=ON \
   ${archs:+-C cmake.define.CMAKE_CUDA_ARCHITECTURES="$archs"} .

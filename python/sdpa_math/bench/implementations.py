@@ -185,8 +185,9 @@ def stats_impls(device):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=s.causal, scale=scale, enable_gqa=gqa)
         w = min(64, q.shape[-2])
         scores = (q[..., -w:, :] @ _repeat_kv(k, s.Hq // s.Hkv).transpose(-2, -1)) * scale
-        if s.causal:  # the window's rows of the map: row i of the last w sees keys up to S - w + i
-            scores = scores.masked_fill(_causal_hidden(q, k)[..., -w:, :], float("-inf"))
+        if s.causal:  # the window's own (w, S) mask: its row r is query L - w + r, hiding keys past it
+            hidden = torch.ones(w, k.shape[-2], dtype=torch.bool, device=q.device).triu(q.shape[-2] - w + 1)
+            scores = scores.masked_fill(hidden, float("-inf"))
         return out, torch.softmax(scores, dim=-1, dtype=torch.float32)
 
     impls = {"ours": ours, "rows64": rows64, "kvwindow": kvwindow,

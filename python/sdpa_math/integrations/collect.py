@@ -26,6 +26,7 @@ import torch
 from .._ops import ops
 from ..api import attention
 from ..stats import attention_stats
+from ..stats.logits import _tracked
 from . import transformers as hf
 
 __all__ = ["collect", "Recorder", "collect_attention_forward", "STAT_KEYWORDS"]
@@ -112,8 +113,7 @@ def _every_heads_output(query, key, value, mask, causal, scale, gqa):
     operator with nothing asked (O without forming P) where it runs without a gradient, else the
     operator itself. Both follow the contract (a fully masked row's O is 0, where PyTorch's own
     attention gives NaN or the mean of V)."""
-    tracked = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, mask))
-    if not tracked and (query.device.type == "cpu" or ops.forward_stats_has_kernel(
+    if not _tracked(query, key, value, mask) and (query.device.type == "cpu" or ops.forward_stats_has_kernel(
             query, key, value, mask, causal, scale, gqa, False, False, 0)):
         return ops.forward_stats(query, key, value, mask, causal, scale, gqa, False, False, 0, 0, 1)[0]
     return attention(query, key, value, mask, 0.0, causal, scale=scale, enable_gqa=gqa)[0]
