@@ -8,6 +8,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "sdpa_math/error.h"
 #include "sdpa_math/tensor_view.h"
@@ -126,6 +127,25 @@ void forward_stats(Backend backend, const ForwardArgs& args, const StatsOutputs&
 // as a caller allocates them fresh (contiguous; float32 statistics, float64 for float64 inputs;
 // rows_count rows of P in the inputs' dtype). Validates the inputs as forward does.
 bool forward_stats_has_kernel(Backend backend, const ForwardArgs& args, bool col_sum, bool row_entropy, int64_t rows_count);
+
+// The route a call takes: the kernel that runs it and, for each path asked before it, why it
+// declined. CUDA's paths, in order: forward decode, sm90, sm80, cublas-fp32, generic; backward
+// cublas-fp32, decode, sm90, sm80, generic; statistics decode, sm90 (else "none": forward_stats
+// raises). "none" also names a call with no query rows. The CPU backend runs "cpu" (its
+// vectorized kernels) or "reference" (float64 inputs, or the Reference backend).
+struct RouteDecline {
+  std::string path;
+  std::string why;
+};
+struct Route {
+  std::string kernel;
+  std::vector<RouteDecline> declined;
+};
+// Validate as forward, backward and forward_stats do (outputs included: the route depends on
+// their dtypes and layouts; their memory is not touched), then answer without running anything.
+Route explain_forward(Backend backend, const ForwardArgs& args, const ForwardOutputs& out);
+Route explain_backward(Backend backend, const BackwardArgs& args, const BackwardOutputs& out);
+Route explain_stats(Backend backend, const ForwardArgs& args, const StatsOutputs& out);
 
 // kl_to's pieces without P (docs/statistics.md, "kl_to on CUDA"). For a reference map r of P's
 // shape and KL_i = Σ_j r_ij log(r_ij / P_ij), the KL is Σ_j r log r − Σ_j r_ij x_ij + R_i lse_i

@@ -104,13 +104,11 @@ void forward_stats(Backend backend, const ForwardArgs& args, const StatsOutputs&
     cpu::forward_stats(p, out);
 }
 
-bool forward_stats_has_kernel(Backend backend, const ForwardArgs& args, bool col_sum, bool row_entropy, int64_t rows_count) {
-  const core::Problem p = core::make_problem(args);
-  check_backend(backend, p);
-  if (backend != Backend::Cuda) return true;
+namespace {
 #ifdef SDPA_MATH_WITH_CUDA
-  // Outputs as a caller allocates them fresh: contiguous, at an address aligned as an allocation
-  // is. Only their layout is asked about; the placeholder address is never dereferenced.
+// Outputs as a caller allocates them fresh: contiguous, at an address aligned as an allocation
+// is. Only their layout is asked about; the placeholder address is never dereferenced.
+StatsOutputs fresh_stats_outputs(const core::Problem& p, bool col_sum, bool row_entropy, int64_t rows_count) {
   void* const placeholder = reinterpret_cast<void*>(std::uintptr_t{256});
   const DType stat = p.dtype == DType::Float64 ? DType::Float64 : DType::Float32;
   Shape cols = p.shapes.logsumexp, window = p.shapes.attn_probs;
@@ -121,13 +119,59 @@ bool forward_stats_has_kernel(Backend backend, const ForwardArgs& args, bool col
   if (col_sum) out.col_sum = contiguous_view(placeholder, stat, cols, p.device);
   if (row_entropy) out.row_entropy = contiguous_view(placeholder, stat, p.shapes.logsumexp, p.device);
   if (rows_count > 0) out.rows = contiguous_view(placeholder, p.dtype, window, p.device);
-  return cuda::stats_kernel_applies(p, out);
+  return out;
+}
+#endif
+
+Route cpu_route(Backend backend, DType dtype) {
+  if (backend == Backend::Reference) return {"reference", {}};
+  if (dtype == DType::Float64) return {"reference", {{"cpu", "float64 inputs: the float64 reference computes them"}}};
+  return {"cpu", {}};
+}
+}  // namespace
+
+bool forward_stats_has_kernel(Backend backend, const ForwardArgs& args, bool col_sum, bool row_entropy, int64_t rows_count) {
+  const core::Problem p = core::make_problem(args);
+  check_backend(backend, p);
+  if (backend != Backend::Cuda) return true;
+#ifdef SDPA_MATH_WITH_CUDA
+  return cuda::explain_stats(p, fresh_stats_outputs(p, col_sum, row_entropy, rows_count)).kernel != "none";
 #else
   (void)col_sum;
   (void)row_entropy;
   (void)rows_count;
   return false;
 #endif
+}
+
+Route explain_forward(Backend backend, const ForwardArgs& args, const ForwardOutputs& out) {
+  const core::Problem p = core::make_problem(args);
+  core::check_forward_outputs(p, out);
+  check_backend(backend, p);
+#ifdef SDPA_MATH_WITH_CUDA
+  if (backend == Backend::Cuda) return cuda::explain_forward(p, out);
+#endif
+  return cpu_route(backend, p.dtype);
+}
+
+Route explain_backward(Backend backend, const BackwardArgs& args, const BackwardOutputs& out) {
+  const core::Problem p = core::make_problem(args.forward);
+  core::check_backward(p, args, out);
+  check_backend(backend, p);
+#ifdef SDPA_MATH_WITH_CUDA
+  if (backend == Backend::Cuda) return cuda::explain_backward(p, args, out);
+#endif
+  return cpu_route(backend, p.dtype);
+}
+
+Route explain_stats(Backend backend, const ForwardArgs& args, const StatsOutputs& out) {
+  const core::Problem p = core::make_problem(args);
+  core::check_stats_outputs(p, out);
+  check_backend(backend, p);
+#ifdef SDPA_MATH_WITH_CUDA
+  if (backend == Backend::Cuda) return cuda::explain_stats(p, out);
+#endif
+  return cpu_route(backend, p.dtype);
 }
 
 void kl_rows(Backend backend, const KlRowsArgs& args, const TensorView& kl, const TensorView& row_sum,

@@ -1,6 +1,6 @@
 // The CUDA backend's host side: the problem as kernels see it, scratch memory from the caller's
-// allocator, the choice between the decode, tensor-core, fp32 cuBLAS and generic kernels, and
-// the gradients' final conversion from dense fp32/fp64 accumulators to the caller's (strided,
+// allocator, running the plan of each call (route.h chooses the path), and the gradients' final
+// conversion from dense fp32/fp64 accumulators to the caller's (strided,
 // any dtype) buffers.
 #include "backend.h"
 
@@ -13,6 +13,7 @@
 #include "gemm_path.cuh"
 #include "generic.cuh"
 #include "launch.cuh"
+#include "route.h"
 #include "tensor_core.cuh"
 #ifdef SDPA_MATH_WITH_SM90
 #include "sm90/sm90.cuh"
@@ -156,37 +157,22 @@ void write_gradient(const Acc* dense, const std::optional<TensorView>& view, cud
   check_launch("gradient conversion");
 }
 
+// The paths that accumulate into dense fp32/fp64 buffers (decode, mma.sync, generic, and a problem
+// with no query rows), then convert them into the caller's gradients.
 template <typename Acc>
-void backward_with(const core::Problem& p, DevProblem& dp, const BackwardOutputs& out,
-                   const CudaExecution& ex, cudaStream_t stream) {
-  Scratch scratch(ex, stream);
-  if constexpr (std::is_same_v<Acc, float>) {  // fp32 on cuBLAS where the layout allows
-    if (gemm_backward(p, dp, out, [&](int64_t n) { return scratch.uninitialized<float>(n); }, stream)) return;
-  }
-#ifdef SDPA_MATH_WITH_SM90
-  // Hopper, from the saved P: it stores the gradients itself, so they must be contiguous in the
-  // inputs' dtype (as the binding allocates them); the decode shapes keep their own kernel.
-  if constexpr (std::is_same_v<Acc, float>) {
-    auto direct = [&](const std::optional<TensorView>& v) { return !v || (v->dtype == p.dtype && v->is_contiguous()); };
-    if (!out.grad_attn_mask && direct(out.grad_query) && direct(out.grad_key) && direct(out.grad_value) &&
-        !decode_backward_applies(dp) && sm90::backward_applies(dp)) {
-      auto data = [](const std::optional<TensorView>& v) -> void* { return v && v->numel() > 0 ? v->data : nullptr; };
-      const sm90::BackwardTargets targets{data(out.grad_query), data(out.grad_key), data(out.grad_value)};
-      if (sm90::backward(dp, targets, scratch.zeros<float>(sm90::backward_workspace_floats(dp)), stream)) return;
-    }
-  }
-#endif
+void backward_accumulated(const core::Problem& p, const DevProblem& dp, const BackwardOutputs& out, BackwardPath path,
+                          Scratch& scratch, cudaStream_t stream) {
   BackwardBuffers<Acc> g;
   // Accumulators exist (zeroed) for every requested gradient, even when no element adds to it.
   auto buffer_for = [&](const std::optional<TensorView>& v) -> Acc* {
-    return v ? scratch.zeros<Acc>(std::max<int64_t>(v->numel(), 1)) : nullptr;
+    return v ? scratch.template zeros<Acc>(std::max<int64_t>(v->numel(), 1)) : nullptr;
   };
   // Except dK and dV where the tensor-core kernel can store them itself: the gradient is
-  // contiguous in the inputs' dtype and one CTA holds the whole sum of each row — no two heads
+  // contiguous in the inputs' dtype and one CTA holds the whole sum of each row -- no two heads
   // share a key row (no GQA, no broadcast), or the decode kernel takes each whole GQA group in
-  // one CTA. The kernel runs whenever there are query rows.
-  const bool tensor_core = p.num_lead * p.L > 0 && tensor_core_backward_applies(dp);
-  const int64_t heads_per_cta = tensor_core && decode_backward_applies(dp) ? decode_heads_per_cta(dp) : 1;
+  // one CTA.
+  const bool tensor_core = path == BackwardPath::Decode || path == BackwardPath::Sm80;
+  const int64_t heads_per_cta = path == BackwardPath::Decode ? decode_heads_per_cta(dp) : 1;
   auto stored_directly = [&](const std::optional<TensorView>& v, const core::Operand& op, int64_t width) {
     return tensor_core && v && v->dtype == p.dtype && v->is_contiguous() &&
            op.own_shape.numel() * heads_per_cta == p.num_lead * p.S * width;
@@ -197,12 +183,64 @@ void backward_with(const core::Problem& p, DevProblem& dp, const BackwardOutputs
   if (stored_directly(out.grad_value, p.value, p.Ev)) g.dv_out = out.grad_value->data;
   else g.dv = buffer_for(out.grad_value);
   g.dmask = buffer_for(out.grad_attn_mask);
-  g.delta = scratch.zeros<Acc>(std::max<int64_t>(p.num_lead * p.L, 1));
-  if (!tensor_core_backward(dp, g, stream)) generic_backward<Acc>(dp, g, stream);
+  g.delta = scratch.template zeros<Acc>(std::max<int64_t>(p.num_lead * p.L, 1));
+  if constexpr (std::is_same_v<Acc, float>) {
+    if (tensor_core) tensor_core_delta(dp, g.delta, stream);
+    if (path == BackwardPath::Decode) decode_backward_run(dp, g, stream);
+    if (path == BackwardPath::Sm80) tensor_core_backward(dp, g, stream);
+  }
+  if (path == BackwardPath::Generic) generic_backward<Acc>(dp, g, stream);
   write_gradient<Acc>(g.dq, out.grad_query, stream);
   if (g.dk) write_gradient<Acc>(g.dk, out.grad_key, stream);
   if (g.dv) write_gradient<Acc>(g.dv, out.grad_value, stream);
   write_gradient<Acc>(g.dmask, out.grad_attn_mask, stream);
+}
+
+void run_backward(const core::Problem& p, const DevProblem& dp, const BackwardOutputs& out, const BackwardPlan& plan,
+                  const CudaExecution& ex, cudaStream_t stream) {
+  Scratch scratch(ex, stream);
+  switch (plan.path) {
+    case BackwardPath::CublasFp32:
+      gemm_backward(p, dp, out, [&](int64_t n) { return scratch.uninitialized<float>(n); }, stream);
+      return;
+    case BackwardPath::Sm90: {
+#ifdef SDPA_MATH_WITH_SM90
+      auto data = [](const std::optional<TensorView>& v) -> void* { return v && v->numel() > 0 ? v->data : nullptr; };
+      const sm90::BackwardTargets targets{data(out.grad_query), data(out.grad_key), data(out.grad_value)};
+      sm90::backward(dp, *plan.sm90, targets, scratch.zeros<float>(sm90::backward_workspace_floats(dp)), stream);
+#endif
+      return;
+    }
+    default:
+      if (p.dtype == DType::Float64) backward_accumulated<double>(p, dp, out, plan.path, scratch, stream);
+      else backward_accumulated<float>(p, dp, out, plan.path, scratch, stream);
+  }
+}
+
+DevProblem forward_problem(const core::Problem& p, const ForwardOutputs& out) {
+  DevProblem dp = to_device(p);
+  dp.out = output_to_device(p, out.output, true);
+  dp.probs = output_to_device(p, out.attn_probs, true);
+  dp.lse = output_to_device(p, out.logsumexp, false);
+  return dp;
+}
+
+DevProblem backward_problem(const core::Problem& p, const BackwardArgs& args) {
+  DevProblem dp = to_device(p);
+  dp.lse = output_to_device(p, args.logsumexp, false);
+  if (args.grad_output) dp.grad_out = output_to_device(p, *args.grad_output, true);
+  if (args.grad_probs) dp.grad_probs = output_to_device(p, *args.grad_probs, true);
+  if (args.output) dp.out = output_to_device(p, *args.output, true);
+  if (args.attn_probs) dp.probs = output_to_device(p, *args.attn_probs, true);
+  return dp;
+}
+
+template <typename Plan>
+Route route_of(const Plan& plan) {
+  Route r;
+  r.kernel = path_name(plan.path);
+  for (const Declined& d : plan.declined) r.declined.push_back({d.path, d.why});
+  return r;
 }
 
 }  // namespace
@@ -210,27 +248,31 @@ void backward_with(const core::Problem& p, DevProblem& dp, const BackwardOutputs
 void forward(const core::Problem& p, const ForwardOutputs& out, const CudaExecution& ex) {
   DeviceGuard guard(p.device.index);
   auto stream = static_cast<cudaStream_t>(ex.stream);
-  DevProblem dp = to_device(p);
-  dp.out = output_to_device(p, out.output, true);
-  dp.probs = output_to_device(p, out.attn_probs, true);
-  dp.lse = output_to_device(p, out.logsumexp, false);
-  if (p.num_lead * p.L == 0) return;
-  // The paths in order of preference; the first that takes the problem runs it.
-  if (decode_applies(dp)) {  // up to 4 query rows: split over keys
-    Scratch scratch(ex, stream);
-    decode_forward(dp, scratch.uninitialized<float>(decode_workspace_floats(dp)), stream);
-    return;
-  }
+  const DevProblem dp = forward_problem(p, out);
+  const ForwardPlan plan = plan_forward(dp);
+  Scratch scratch(ex, stream);
+  switch (plan.path) {
+    case ForwardPath::Empty: return;
+    case ForwardPath::Decode:  // up to 4 query rows: split over keys
+      decode_forward(dp, scratch.uninitialized<float>(decode_workspace_floats(dp)), stream);
+      return;
+    case ForwardPath::Sm90:  // Hopper: wgmma + TMA
 #ifdef SDPA_MATH_WITH_SM90
-  if (sm90::forward_applies(dp)) {  // Hopper: wgmma + TMA
-    Scratch scratch(ex, stream);
-    if (sm90::forward(dp, scratch.zeros<uint32_t>(sm90::forward_workspace_words(dp)), stream)) return;
-  }
+      sm90::forward(dp, *plan.sm90, scratch.zeros<uint32_t>(sm90::forward_workspace_words(dp)), stream);
 #endif
-  if (tensor_core_forward(dp, stream)) return;  // fp16/bf16 on mma.sync (sm_80+)
-  if (gemm_forward(dp, stream)) return;
-  if (p.dtype == DType::Float64) generic_forward<double>(dp, stream);
-  else generic_forward<float>(dp, stream);
+      return;
+    case ForwardPath::Sm80: tensor_core_forward(dp, stream); return;  // fp16/bf16 on mma.sync (sm_80+)
+    case ForwardPath::CublasFp32: gemm_forward(dp, stream); return;
+    case ForwardPath::Generic:
+      if (p.dtype == DType::Float64) generic_forward<double>(dp, stream);
+      else generic_forward<float>(dp, stream);
+      return;
+  }
+}
+
+Route explain_forward(const core::Problem& p, const ForwardOutputs& out) {
+  DeviceGuard guard(p.device.index);
+  return route_of(plan_forward(forward_problem(p, out)));
 }
 
 namespace {
@@ -248,57 +290,58 @@ StatsTargets stats_targets(const core::Problem& p, const StatsOutputs& out) {
 }
 }  // namespace
 
-// The statistics paths in order of preference, as forward's: decode (any GPU), then Hopper's.
-bool stats_kernel_applies(const core::Problem& p, const StatsOutputs& out) {
-  DeviceGuard guard(p.device.index);
-  DevProblem dp = to_device(p);
+namespace {
+StatsPlan stats_plan(const core::Problem& p, const StatsOutputs& out, DevProblem& dp, StatsTargets& t) {
+  dp = to_device(p);
   dp.out = output_to_device(p, out.output, true);
   dp.lse = output_to_device(p, out.logsumexp, false);
-  const StatsTargets t = stats_targets(p, out);
-  if (decode_stats_applies(dp, t)) return true;
-#ifdef SDPA_MATH_WITH_SM90
-  return sm90::stats_applies(dp, t);
-#else
-  return false;
-#endif
+  t = stats_targets(p, out);
+  return plan_stats(dp, t);
+}
+}  // namespace
+
+Route explain_stats(const core::Problem& p, const StatsOutputs& out) {
+  DeviceGuard guard(p.device.index);
+  DevProblem dp;
+  StatsTargets t;
+  return route_of(stats_plan(p, out, dp, t));
 }
 
 void forward_stats(const core::Problem& p, const StatsOutputs& out, const CudaExecution& ex) {
   DeviceGuard guard(p.device.index);
   auto stream = static_cast<cudaStream_t>(ex.stream);
-  DevProblem dp = to_device(p);
-  dp.out = output_to_device(p, out.output, true);
-  dp.lse = output_to_device(p, out.logsumexp, false);
-  const StatsTargets t = stats_targets(p, out);
-  if (decode_stats_applies(dp, t)) {  // up to 4 query rows: the decode kernels, P not written
-    Scratch scratch(ex, stream);
-    decode_forward(dp, scratch.uninitialized<float>(decode_workspace_floats(dp)), stream, &t);
-    return;
-  }
+  DevProblem dp;
+  StatsTargets t;
+  const StatsPlan plan = stats_plan(p, out, dp, t);
+  Scratch scratch(ex, stream);
+  switch (plan.path) {
+    case StatsPath::Decode:  // up to 4 query rows: the decode kernels, P not written
+      decode_forward(dp, scratch.uninitialized<float>(decode_workspace_floats(dp)), stream, &t);
+      return;
+    case StatsPath::Sm90:
 #ifdef SDPA_MATH_WITH_SM90
-  // The cheap conditions here; whether TMA can address the inputs, forward_stats finds out as it
-  // encodes the maps it runs with (false: nothing launched).
-  if (sm90::stats_conditions(dp, t)) {
-    Scratch scratch(ex, stream);
-    if (sm90::forward_stats(dp, t, scratch.uninitialized<float>(sm90::stats_workspace_floats(dp, t)), stream)) return;
-  }
+      sm90::forward_stats(dp, *plan.sm90, t, scratch.uninitialized<float>(sm90::stats_workspace_floats(dp, t)), stream);
 #endif
-  throw Error(ErrorCode::BackendUnavailable, std::string("attention statistics without P: no CUDA kernel takes this problem ") +
-                                                 stats_kernel_requirements + " (sdpa_math.stats.attention_stats computes them "
-                                                 "from chunks of P instead)");
+      return;
+    case StatsPath::None: break;
+  }
+  std::string why;
+  for (const Declined& d : plan.declined) why += std::string(why.empty() ? "" : "; ") + d.path + ": " + d.why;
+  throw Error(ErrorCode::BackendUnavailable, "attention statistics without P: no CUDA kernel takes this problem (" + why +
+                                                 ") " + stats_kernel_requirements +
+                                                 " (sdpa_math.stats.attention_stats computes them from chunks of P instead)");
 }
 
 void backward(const core::Problem& p, const BackwardArgs& args, const BackwardOutputs& out, const CudaExecution& ex) {
   DeviceGuard guard(p.device.index);
-  auto stream = static_cast<cudaStream_t>(ex.stream);
-  DevProblem dp = to_device(p);
-  dp.lse = output_to_device(p, args.logsumexp, false);
-  if (args.grad_output) dp.grad_out = output_to_device(p, *args.grad_output, true);
-  if (args.grad_probs) dp.grad_probs = output_to_device(p, *args.grad_probs, true);
-  if (args.output) dp.out = output_to_device(p, *args.output, true);
-  if (args.attn_probs) dp.probs = output_to_device(p, *args.attn_probs, true);
-  if (p.dtype == DType::Float64) backward_with<double>(p, dp, out, ex, stream);
-  else backward_with<float>(p, dp, out, ex, stream);
+  const DevProblem dp = backward_problem(p, args);
+  run_backward(p, dp, out, plan_backward(p, dp, out), ex, static_cast<cudaStream_t>(ex.stream));
+}
+
+Route explain_backward(const core::Problem& p, const BackwardArgs& args, const BackwardOutputs& out) {
+  DeviceGuard guard(p.device.index);
+  const DevProblem dp = backward_problem(p, args);
+  return route_of(plan_backward(p, dp, out));
 }
 
 #ifdef SDPA_MATH_WITH_SM90

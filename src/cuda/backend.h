@@ -1,6 +1,7 @@
 // The CUDA backend (built when CMake finds a CUDA compiler): fp16/bf16 on tensor cores where the
 // head size allows (split over keys for up to 4 query rows), fp32 on cuBLAS products where the
-// layout allows, everything else on the generic path. Kernels run on the given stream.
+// layout allows, everything else on the generic path; route.h orders the paths. Kernels run on
+// the given stream.
 #pragma once
 
 #include "../core/problem.h"
@@ -13,7 +14,10 @@ void backward(const core::Problem& p, const BackwardArgs& args, const BackwardOu
 // any GPU), more on the Hopper kernel (sm90/forward_sm90.cu, STATS); throws BackendUnavailable,
 // before anything is written, for a problem no kernel takes.
 void forward_stats(const core::Problem& p, const StatsOutputs& out, const CudaExecution& ex);
-bool stats_kernel_applies(const core::Problem& p, const StatsOutputs& out);
+// The plan each of the three would run (route.h), as attention.h's Route.
+Route explain_forward(const core::Problem& p, const ForwardOutputs& out);
+Route explain_backward(const core::Problem& p, const BackwardArgs& args, const BackwardOutputs& out);
+Route explain_stats(const core::Problem& p, const StatsOutputs& out);
 // What the statistics kernels take, for error messages.
 inline constexpr const char* stats_kernel_requirements =
     "(up to 4 query rows: float16, bfloat16 or float32 inputs, head sizes up to 256, k and v with unit column "

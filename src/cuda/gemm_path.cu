@@ -250,9 +250,45 @@ bool writable(const std::optional<TensorView>& g, const core::Operand& op, int64
 
 }  // namespace
 
-bool gemm_forward(const DevProblem& p, cudaStream_t stream) {
+namespace {
+constexpr const char* kLayoutDecline =
+    "not float32 q, k, v, O and P with unit column stride and heads evenly spaced in memory";
+
+// The plan asked gemm_*_declines first; a layout refused here is a fault of this file.
+void check_planned(bool ok) {
+  if (!ok) throw Error(ErrorCode::CudaFailure, "the fp32 cuBLAS path ran on a problem it declines");
+}
+
+// The layout and why the backward does not take the problem (nullptr: it does).
+const char* backward_layout(const core::Problem& cp, const DevProblem& p, const BackwardOutputs& out, Layout& lay) {
+  // With dropout A is not the saved P (it has zeros where A has none): the generic path
+  // recomputes it. A mask's gradient is the generic path's too.
+  if (p.dropout != Dropout::None) return "dropout";
+  if (out.grad_attn_mask) return "a mask gradient is asked for";
+  if (p.probs.data == nullptr) return "no saved P";
+  if (!layout_of(p, false, lay)) return kLayoutDecline;
+  if (p.grad_out.data && (lay.grad_out = query_side(p, p.grad_out, lay.group, p.Ev)).batch < 0)
+    return "dO's heads not evenly spaced in memory";
+  if (!writable(out.grad_query, cp.query, lay.rows, p.E, lay.batches) ||
+      !writable(out.grad_key, cp.key, p.S, p.E, lay.batches) || !writable(out.grad_value, cp.value, p.S, p.Ev, lay.batches))
+    return "a requested gradient not float32, contiguous and of its input's own heads";
+  return nullptr;
+}
+}  // namespace
+
+const char* gemm_forward_declines(const DevProblem& p) {
   Layout lay;
-  if (!layout_of(p, true, lay)) return false;
+  return layout_of(p, true, lay) ? nullptr : kLayoutDecline;
+}
+
+const char* gemm_backward_declines(const core::Problem& cp, const DevProblem& p, const BackwardOutputs& out) {
+  Layout lay;
+  return backward_layout(cp, p, out, lay);
+}
+
+void gemm_forward(const DevProblem& p, cudaStream_t stream) {
+  Layout lay;
+  check_planned(layout_of(p, true, lay));
   const unsigned rows_grid = row_blocks(p);  // refused before cuBLAS writes into P
   cublasHandle_t h = handle_on(stream);
   float* probs = reinterpret_cast<float*>(p.probs.data);
@@ -264,21 +300,13 @@ bool gemm_forward(const DevProblem& p, cudaStream_t stream) {
   // O = P V (times c for an explicit dropout mask: output_factor).
   batched(h, lay.rows, p.Ev, p.S, output_factor<float>(p), lay.probs, false, lay.v, false,
           reinterpret_cast<float*>(p.out.data), lay.out.ld, lay.out.batch, lay.batches, "cuBLAS P V");
-  return true;
 }
 
-bool gemm_backward(const core::Problem& cp, const DevProblem& p, const BackwardOutputs& out,
+void gemm_backward(const core::Problem& cp, const DevProblem& p, const BackwardOutputs& out,
                    const std::function<float*(int64_t)>& scratch, cudaStream_t stream) {
-  // With dropout A is not the saved P (it has zeros where A has none): the generic path
-  // recomputes it. A mask's gradient is the generic path's too.
-  if (p.dropout != Dropout::None || out.grad_attn_mask || p.probs.data == nullptr) return false;
   Layout lay;
-  if (!layout_of(p, false, lay)) return false;
+  check_planned(backward_layout(cp, p, out, lay) == nullptr);
   const bool has_dO = p.grad_out.data != nullptr;
-  if (has_dO && (lay.grad_out = query_side(p, p.grad_out, lay.group, p.Ev)).batch < 0) return false;
-  if (!writable(out.grad_query, cp.query, lay.rows, p.E, lay.batches) ||
-      !writable(out.grad_key, cp.key, p.S, p.E, lay.batches) || !writable(out.grad_value, cp.value, p.S, p.Ev, lay.batches))
-    return false;
 
   cublasHandle_t h = handle_on(stream);
   const int64_t d_stride = lay.rows * p.S;
@@ -303,7 +331,6 @@ bool gemm_backward(const core::Problem& cp, const DevProblem& p, const BackwardO
               "cuBLAS P^T dO");
     else check_cuda(cudaMemsetAsync(dv, 0, sizeof(float) * out.grad_value->numel(), stream), "clearing dV");
   }
-  return true;
 }
 
 int64_t cublas_handles_created() { return HandlePool::instance().created(); }

@@ -3,8 +3,8 @@
 // computes the scores in P's own memory, turns each row into probabilities in place, then O = P V;
 // the backward reads the saved P and needs one L x S scratch (dO V^T, then dS in place). It takes
 // fp32 problems whose heads are evenly spaced in memory (one batch stride per operand; GQA as the
-// G query heads of a key head stacked into one batch of G L rows); the caller runs the generic
-// path for the rest.
+// G query heads of a key head stacked into one batch of G L rows); the generic path takes the
+// rest.
 #pragma once
 
 #include <functional>
@@ -14,10 +14,13 @@
 
 namespace sdpa_math::cuda {
 
-// Each returns false, doing nothing, when the problem is not one it takes.
-bool gemm_forward(const DevProblem& dp, cudaStream_t stream);
+// Why the forward (backward) does not take the problem, or nullptr; the plan runs it only on
+// problems it takes.
+const char* gemm_forward_declines(const DevProblem& dp);
+const char* gemm_backward_declines(const core::Problem& p, const DevProblem& dp, const BackwardOutputs& out);
+void gemm_forward(const DevProblem& dp, cudaStream_t stream);
 // `scratch(n)` returns n floats of device memory (uninitialised) that live until the call ends.
-bool gemm_backward(const core::Problem& p, const DevProblem& dp, const BackwardOutputs& out,
+void gemm_backward(const core::Problem& p, const DevProblem& dp, const BackwardOutputs& out,
                    const std::function<float*(int64_t)>& scratch, cudaStream_t stream);
 
 }  // namespace sdpa_math::cuda

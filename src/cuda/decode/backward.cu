@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(kThreads, R == 1 ? 5 : 3) decode_backward(DevP
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         const bool here = r < count && j < j_end;
-        // P and dP have the inputs' dtype here (tensor_core_backward_applies).
+        // P and dP have the inputs' dtype here (decode_backward_declines).
         st.a[u][r] = here && a_from_probs ? to_float<T>(reinterpret_cast<const T*>(p.probs.data)[rows[r].probs_at + j * p.probs.col]) : 0.0f;
         st.dp[u][r] = here && has_gp ? to_float<T>(reinterpret_cast<const T*>(p.grad_probs.data)[rows[r].grad_probs_at + j * p.grad_probs.col])
                                      : 0.0f;
@@ -257,8 +257,14 @@ void launch_backward_for_head(const DevProblem& p, const BackwardBuffers<float>&
 
 }  // namespace
 
-bool decode_backward_applies(const DevProblem& p) {
-  return decode_applies(p) && (p.q.dtype == DType::Float16 || p.q.dtype == DType::BFloat16);
+const char* decode_backward_declines(const DevProblem& p) {
+  if (const char* why = decode_declines(p)) return why;
+  if (p.q.dtype != DType::Float16 && p.q.dtype != DType::BFloat16) return "inputs not float16 or bfloat16";
+  // dO, P and dP are read in the inputs' dtype.
+  if ((p.grad_out.data && p.grad_out.dtype != p.q.dtype) || (p.grad_probs.data && p.grad_probs.dtype != p.q.dtype) ||
+      (p.probs.data && p.probs.dtype != p.q.dtype))
+    return "dO, dP or the saved P not in the inputs' dtype";
+  return nullptr;
 }
 
 void decode_backward_run(const DevProblem& p, const BackwardBuffers<float>& g, cudaStream_t stream) {

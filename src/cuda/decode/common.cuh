@@ -96,7 +96,7 @@ inline int64_t decode_score_row(const DevProblem& p) { return (p.S + 3) / 4 * 4;
 
 // The workspace of the chunk of heads [lead0, lead0 + chunk) at `workspace`: logits, then the
 // shares of O, then the statistics, then the entropy sums. Rows of the first two are multiples
-// of 4 floats (decode_score_row; Ev, as decode_applies asks), so decode_finalize_rows's 16-byte
+// of 4 floats (decode_score_row; Ev, as decode_declines asks), so decode_finalize_rows's 16-byte
 // loads of either are aligned whatever the number of rows and blocks.
 inline DecodeWorkspace chunk_workspace(const DevProblem& p, float* workspace, int64_t lead0, int64_t chunk) {
   const int64_t split = decode_split_keys(p), blocks = (p.S + split - 1) / split;

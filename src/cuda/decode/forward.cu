@@ -471,18 +471,22 @@ int64_t leads_per_pass(const DevProblem& p) {
 
 int64_t decode_split_keys(const DevProblem& p) { return tensor_core_partial(p) ? kSplitKeysTc : kSplitKeys; }
 
-bool decode_applies(const DevProblem& p) {
-  if (p.L > kDecodeMaxRows || p.L == 0 || p.S == 0 || p.E == 0) return false;
-  if ((p.E > p.Ev ? p.E : p.Ev) > kDecodeMaxHead) return false;
+const char* decode_declines(const DevProblem& p) {
+  if (p.L > kDecodeMaxRows || p.L == 0) return "more than 4 query rows";
+  if (p.S == 0) return "no keys (S = 0)";
+  if (p.E == 0) return "head size E = 0";
+  if ((p.E > p.Ev ? p.E : p.Ev) > kDecodeMaxHead) return "a head size above 256";
   int elem = 0;
   switch (p.q.dtype) {
     case DType::Float16: case DType::BFloat16: elem = 2; break;
     case DType::Float32: elem = 4; break;
-    default: return false;
+    default: return "inputs not float16, bfloat16 or float32";
   }
   // Rows of K and V move 16 bytes per lane: unit column stride, aligned rows.
   const int vec = 16 / elem;
-  return rows_vectorizable(p.k, p.lead_ndim, p.E, elem, vec) && rows_vectorizable(p.v, p.lead_ndim, p.Ev, elem, vec);
+  if (!rows_vectorizable(p.k, p.lead_ndim, p.E, elem, vec) || !rows_vectorizable(p.v, p.lead_ndim, p.Ev, elem, vec))
+    return "rows of k or v not read 16 bytes at a time (unit column stride, 16-byte aligned base and strides)";
+  return nullptr;
 }
 
 // How many heads of one key head's group a CTA takes: the most that divide the group with

@@ -154,14 +154,17 @@ __global__ void decode_entropy(DevProblem p, DecodeWorkspace w, StatsTargets t, 
 
 }  // namespace
 
-bool decode_stats_applies(const DevProblem& p, const StatsTargets& t) {
-  const bool fp32 = (!t.col_sum.data || t.col_sum.dtype == DType::Float32) &&
-                    (!t.entropy.data || t.entropy.dtype == DType::Float32);
-  return fp32 && decode_applies(p) && p.dropout == Dropout::None && (p.S + kStatsKeys - 1) / kStatsKeys <= 65535;
+const char* decode_stats_declines(const DevProblem& p, const StatsTargets& t) {
+  if (const char* why = decode_declines(p)) return why;
+  if ((t.col_sum.data && t.col_sum.dtype != DType::Float32) || (t.entropy.data && t.entropy.dtype != DType::Float32))
+    return "statistics not float32";
+  if (p.dropout != Dropout::None) return "dropout";
+  if ((p.S + kStatsKeys - 1) / kStatsKeys > 65535) return "more than 65,535 chunks of 2048 keys";
+  return nullptr;
 }
 
 DecodeStatsPlan decode_stats_plan(const DevProblem& p, int64_t chunk, const StatsTargets* stats) {
-  // decode_stats_applies keeps the key chunks within the grid's second dimension.
+  // decode_stats_declines keeps the key chunks within the grid's second dimension.
   DecodeStatsPlan plan;
   plan.any = stats && (stats->col_sum.data || stats->entropy.data || stats->rows.data);
   plan.chunks = static_cast<int>((p.S + kStatsKeys - 1) / kStatsKeys);

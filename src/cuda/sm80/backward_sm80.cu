@@ -1,13 +1,12 @@
 // The tensor-core backward's host side (fp16/bf16 on mma.sync, sm_80 and newer): which problems
-// it takes (tensor_core_backward_applies), delta = rowsum(A . dA) first -- from memory as
-// rowsum(dO . O) + rowsum(P . dP) when the forward's O and P are given (delta_from_memory, the
-// one kernel of this file), else recomputed on the generic path -- then the choice of head tile
-// and key block for the kernel. The kernel (backward_tc, its design and launch function) is in
+// it takes (tensor_core_backward_declines); delta = rowsum(A . dA), which it and the decode
+// backward take first (tensor_core_delta) -- from memory as rowsum(dO . O) + rowsum(P . dP) when
+// the forward's O and P are given (delta_from_memory, the one kernel of this file), else
+// recomputed on the generic path; then the choice of head tile and key block for the kernel. The kernel (backward_tc, its design and launch function) is in
 // backward_sm80_kernel.cuh and compiles in the instantiation files
 // (backward_sm80_<dtype>_d<head>.cu), one per dtype and head tile, so that a parallel build does
 // not wait on one file of all ten tiles; this file declares their launch functions `extern
 // template`.
-#include "../decode.cuh"
 #include "../launch.cuh"
 #include "backward_sm80_kernel.cuh"
 
@@ -123,38 +122,36 @@ void backward_for(const DevProblem& p, const BackwardBuffers<float>& g, cudaStre
 
 }  // namespace
 
-bool tensor_core_backward_applies(const DevProblem& p) {
+const char* tensor_core_backward_declines(const DevProblem& p) {
   const int64_t head = p.E > p.Ev ? p.E : p.Ev;
-  if (head > kTensorCoreMaxHead || p.E == 0) return false;
-  if (p.q.dtype != DType::Float16 && p.q.dtype != DType::BFloat16) return false;
+  if (p.q.dtype != DType::Float16 && p.q.dtype != DType::BFloat16) return "inputs not float16 or bfloat16";
+  if (p.E == 0) return "head size E = 0";
+  if (head > kTensorCoreMaxHead) return "a head size above 256";
   // The narrowest key block of the head tile must fit the device's shared memory (fp16 and bf16
-  // alike), unless the decode kernel (little shared memory) takes the problem.
+  // alike).
   const bool fits = head <= 64    ? key_block_fits<__half, 64, 64>()
                     : head <= 128 ? key_block_fits<__half, 128, 32>()
                                   : key_block_fits<__half, 256, 16>();
-  if (!fits && !decode_backward_applies(p)) return false;
+  if (!fits) return "no key block of the head size fits this GPU's shared memory";
   // dO, P and dP are read as tiles of the inputs' dtype.
-  if (p.grad_out.data && p.grad_out.dtype != p.q.dtype) return false;
-  if (p.grad_probs.data && p.grad_probs.dtype != p.q.dtype) return false;
-  if (p.probs.data && p.probs.dtype != p.q.dtype) return false;
-  return true;
+  if ((p.grad_out.data && p.grad_out.dtype != p.q.dtype) || (p.grad_probs.data && p.grad_probs.dtype != p.q.dtype) ||
+      (p.probs.data && p.probs.dtype != p.q.dtype))
+    return "dO, dP or the saved P not in the inputs' dtype";
+  return nullptr;
 }
 
-bool tensor_core_backward(const DevProblem& p, const BackwardBuffers<float>& g, cudaStream_t stream) {
-  if (!tensor_core_backward_applies(p)) return false;
-  const int64_t rows = p.num_lead * p.L;
-  if (rows == 0) return true;
+void tensor_core_delta(const DevProblem& p, float* delta, cudaStream_t stream) {
+  if (p.num_lead * p.L == 0) return;
   const bool delta_in_memory = (!p.grad_out.data || p.out.data) && (!p.grad_probs.data || p.probs.data);
-  if (delta_in_memory) {
-    if (p.q.dtype == DType::Float16) launch_delta_from_memory<__half>(p, g.delta, stream);
-    else launch_delta_from_memory<__nv_bfloat16>(p, g.delta, stream);
-  } else {
-    generic_delta<float>(p, g.delta, stream);
-  }
-  if (decode_backward_applies(p)) decode_backward_run(p, g, stream);
-  else if (p.q.dtype == DType::Float16) backward_for<__half>(p, g, stream);
+  if (!delta_in_memory) generic_delta<float>(p, delta, stream);
+  else if (p.q.dtype == DType::Float16) launch_delta_from_memory<__half>(p, delta, stream);
+  else launch_delta_from_memory<__nv_bfloat16>(p, delta, stream);
+}
+
+void tensor_core_backward(const DevProblem& p, const BackwardBuffers<float>& g, cudaStream_t stream) {
+  if (p.num_lead * p.L == 0) return;
+  if (p.q.dtype == DType::Float16) backward_for<__half>(p, g, stream);
   else backward_for<__nv_bfloat16>(p, g, stream);
-  return true;
 }
 
 }  // namespace sdpa_math::cuda

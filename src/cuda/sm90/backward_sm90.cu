@@ -1,11 +1,20 @@
 // The Hopper backward (fp16/bf16, sm_90a) from the forward's saved P, without dropout: delta per
 // query row (delta_rows), then backward_sm90.cuh's main kernel and dQ conversion, and the entry
 // points sm90.cuh declares for it. backward_sm90.cuh describes the kernels.
+#include <memory>
 #include <type_traits>
 
 #include "backward_sm90.cuh"
 
 namespace sdpa_math::cuda::sm90 {
+
+// What backward_declines prepares for a problem it takes: the maps of Q, K, V, dO, P and dP_ext
+// and the kernel's arguments (delta's map and the workspace pointers come with the run).
+struct BackwardPrepared {
+  CUtensorMap maps[6];
+  Args a;
+};
+
 namespace {
 
 // delta_i = dO_i · O_i + P_i · dP_ext,i in fp32. 32 / RPW lanes per row: with dP_ext (S long
@@ -60,23 +69,25 @@ __global__ void delta_rows(const DevProblem p, float* delta, int64_t q_tiles) {
   if (valid && sub == 0) delta[lead * q_tiles * kBM + i] = acc;
 }
 
-template <typename T>
-bool backward_for(const DevProblem& p, const BackwardTargets& out, float* workspace, cudaStream_t stream) {
-  Args a;
+// Why TMA cannot address the operands (the maps are encoded into f: all but delta's, which is
+// the call's workspace), or nullptr.
+const char* prepare(const DevProblem& p, BackwardPrepared& f) {
+  Args& a = f.a;
+  CUtensorMap* maps = f.maps;
   a.has_do = p.grad_out.data != nullptr;
   a.has_dp = p.grad_probs.data != nullptr;
-  CUtensorMap maps[7] = {};
-  const int64_t D = padded_head(p.E);
+  const char* tma = "the TMA unit cannot address q, k, v or dO (unit column stride, 16-byte aligned base and strides, at "
+                    "most three lead dims of their own)";
   if (!make_map(&maps[0], p, p.q, p.L, p.E, kBM, a.q) || !make_map(&maps[1], p, p.k, p.S, p.E, kBN, a.k) ||
       !make_map(&maps[2], p, p.v, p.S, p.Ev, kBN, a.v))
-    return false;
-  if (a.has_do && !make_map(&maps[3], p, p.grad_out, p.L, p.Ev, kBM, a.dout)) return false;
+    return tma;
+  if (a.has_do && !make_map(&maps[3], p, p.grad_out, p.L, p.Ev, kBM, a.dout)) return tma;
   a.p_tma = make_map(&maps[4], p, p.probs, p.L, p.S, kBM, a.p) &&
             (!a.has_dp || make_map(&maps[5], p, p.grad_probs, p.L, p.S, kBM, a.dp));
   // Otherwise pairs: rows of P and dP_ext must be 4-byte aligned.
   if (!a.p_tma && (!rows_vectorizable(p.probs, p.lead_ndim, p.S, 2, 2) ||
                    (a.has_dp && !rows_vectorizable(p.grad_probs, p.lead_ndim, p.S, 2, 2))))
-    return false;
+    return "P or dP neither addressable by the TMA unit nor with 4-byte aligned rows (an even key count)";
   // Maps not used: never read; a copy keeps every parameter initialised.
   if (!a.has_do) maps[3] = maps[0];
   if (!a.p_tma) maps[4] = maps[0];
@@ -86,14 +97,25 @@ bool backward_for(const DevProblem& p, const BackwardTargets& out, float* worksp
   a.kv_leads = p.num_lead / a.group;
   a.q_tiles = (p.L + kBM - 1) / kBM;
   a.scale = static_cast<float>(p.scale);
+  a.unscale = nullptr;
+  return nullptr;
+}
+
+template <typename T>
+void backward_for(const DevProblem& p, const BackwardPrepared& f, const BackwardTargets& out, float* workspace,
+                  cudaStream_t stream) {
+  Args a = f.a;
+  CUtensorMap maps[7];
+  for (int m = 0; m < 6; ++m) maps[m] = f.maps[m];
   float* delta = workspace;
   a.delta = delta;
-  if (!make_rows_map_f32(&maps[6], delta, a.q_tiles * kBM, p.num_lead, kBM)) return false;
+  // The workspace comes from the caller's allocator, 16-byte aligned (backend.cu's Scratch).
+  if (!make_rows_map_f32(&maps[6], delta, a.q_tiles * kBM, p.num_lead, kBM))
+    throw Error(ErrorCode::CudaFailure, "sm90 backward: the TMA unit cannot address the delta workspace");
   a.dq_acc = workspace + backward_delta_floats(p);
-  a.unscale = nullptr;
   a.dk = out.dk;
   a.dv = out.dv;
-
+  const int64_t D = padded_head(p.E);
   const int64_t rows = p.num_lead * p.L;
   auto vec = [&](int w) {
     return (!a.has_do || (rows_vectorizable(p.grad_out, p.lead_ndim, p.Ev, 2, w) &&
@@ -112,24 +134,32 @@ bool backward_for(const DevProblem& p, const BackwardTargets& out, float* worksp
   check_launch("sm90 delta");
   if (D == 64) launch<T, 64, false>(maps, p, a, out, stream);
   else launch<T, 128, false>(maps, p, a, out, stream);
-  return true;
 }
 
 }  // namespace
 
-bool backward_applies(const DevProblem& p) {
-  if (p.q.dtype != DType::Float16 && p.q.dtype != DType::BFloat16) return false;
-  if (p.dropout != Dropout::None || p.probs.data == nullptr || p.probs.dtype != p.q.dtype) return false;
-  if (p.grad_out.data && (p.grad_out.dtype != p.q.dtype || p.out.data == nullptr || p.out.dtype != p.q.dtype)) return false;
-  if (p.grad_probs.data && p.grad_probs.dtype != p.q.dtype) return false;
-  if (p.E <= 0 || p.Ev <= 0 || p.E > 128 || p.Ev > 128 || padded_head(p.E) != padded_head(p.Ev)) return false;
-  if (p.E % 8 != 0 || p.Ev % 8 != 0) return false;
+const char* backward_declines(const DevProblem& p, std::shared_ptr<const BackwardPrepared>* prepared) {
+  if (!device_supported()) return "not a Hopper GPU (compute capability 9.0), or turned off by SDPA_MATH_SM90=0";
+  if (p.q.dtype != DType::Float16 && p.q.dtype != DType::BFloat16) return "inputs not float16 or bfloat16";
+  if (p.dropout != Dropout::None) return "dropout";
+  if (p.probs.data == nullptr || p.probs.dtype != p.q.dtype) return "no saved P in the inputs' dtype";
+  if (p.grad_out.data && (p.grad_out.dtype != p.q.dtype || p.out.data == nullptr || p.out.dtype != p.q.dtype))
+    return "dO or the saved O not in the inputs' dtype";
+  if (p.grad_probs.data && p.grad_probs.dtype != p.q.dtype) return "dP not in the inputs' dtype";
+  if (p.E <= 0 || p.Ev <= 0 || p.E > 128 || p.Ev > 128 || padded_head(p.E) != padded_head(p.Ev))
+    return "head sizes not both in 1..64 or both in 65..128";
+  if (p.E % 8 != 0 || p.Ev % 8 != 0) return "a head size not a multiple of 8";
   // Each query row belongs to one lead index and each key row to one key head (GQA groups the
   // last lead dim): the gradients are stored, not summed over broadcast dims.
-  if (p.k.head_group != p.v.head_group || !qk_stored_per_head(p) || p.v.dense_col != 1) return false;
+  bool broadcast = p.k.head_group != p.v.head_group || !qk_stored_per_head(p) || p.v.dense_col != 1;
   for (int d = 0; d < p.lead_ndim; ++d)
-    if (p.lead_shape[d] != 1 && p.v.dense_lead[d] == 0) return false;
-  return p.L > 0 && p.S > 0 && p.L <= 2147483647LL && p.S <= 2147483647LL && device_supported();
+    if (p.lead_shape[d] != 1 && p.v.dense_lead[d] == 0) broadcast = true;
+  if (broadcast) return "q, k or v broadcast over lead dims other than GQA's group";
+  if (p.L <= 0 || p.S <= 0 || p.L > 2147483647LL || p.S > 2147483647LL) return "L or S is 0 or above 2^31";
+  auto f = std::make_shared<BackwardPrepared>();
+  if (const char* why = prepare(p, *f)) return why;
+  if (prepared) *prepared = std::move(f);
+  return nullptr;
 }
 
 int64_t backward_delta_floats(const DevProblem& p) { return p.num_lead * ((p.L + kBM - 1) / kBM) * kBM; }
@@ -138,9 +168,10 @@ int64_t backward_workspace_floats(const DevProblem& p) {
   return backward_delta_floats(p) + p.num_lead * ((p.L + kBM - 1) / kBM) * kBM * padded_head(p.E);
 }
 
-bool backward(const DevProblem& p, const BackwardTargets& out, float* workspace, cudaStream_t stream) {
-  if (p.q.dtype == DType::Float16) return backward_for<__half>(p, out, workspace, stream);
-  return backward_for<__nv_bfloat16>(p, out, workspace, stream);
+void backward(const DevProblem& p, const BackwardPrepared& prepared, const BackwardTargets& out, float* workspace,
+              cudaStream_t stream) {
+  if (p.q.dtype == DType::Float16) backward_for<__half>(p, prepared, out, workspace, stream);
+  else backward_for<__nv_bfloat16>(p, prepared, out, workspace, stream);
 }
 
 }  // namespace sdpa_math::cuda::sm90

@@ -1,6 +1,7 @@
-// The Hopper forward's host side: which problems it takes (forward_applies, stats_conditions,
-// stats_applies), the workspaces, the TMA maps and arguments, and the dispatch to the kernel of
-// a problem's dtype, head size, mask kind and P store. The kernels themselves compile in the
+// The Hopper forward's host side: which problems it takes and why not (forward_declines,
+// stats_declines, which encode the TMA maps and fill the arguments of a problem they take), the
+// workspaces, and the dispatch to the kernel of a problem's dtype, head size, mask kind and P
+// store. The kernels themselves compile in the
 // instantiation files (forward_sm90_<dtype>_d<head>.cu, from forward_sm90_kernel.cuh), which
 // define the launch functions declared `extern template` below; this file compiles only the
 // two small kernels of its own: the mask plan (build_mask_plan) and the column sums' total
@@ -10,6 +11,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 
 #include "../launch.cuh"
 #include "forward_sm90_mask.cuh"
@@ -18,6 +20,15 @@
 #include "tensor_maps.cuh"
 
 namespace sdpa_math::cuda::sm90 {
+
+// What forward_declines and stats_declines prepare for a problem they take: the encoded maps of
+// Q, K, V (and P, where TMA stores it) and the kernels' arguments, so that running asks nothing.
+struct ForwardPrepared {
+  CUtensorMap q, k, v, pm;
+  fwd::Args a;
+  fwd::MaskKind mask;
+};
+
 namespace fwd {
 
 // The 48 kernels' launch functions, compiled elsewhere (one file per dtype and head size).
@@ -107,26 +118,13 @@ PlanShape plan_shape(const DevProblem& p) {
 }
 
 template <typename T>
-bool forward_for(const DevProblem& p, uint32_t* plan, cudaStream_t stream) {
-  CUtensorMap q, k, v, pm;
-  Args a;
-  MaskKind mask;
-  if (!common_args(p, q, k, v, a, mask)) return false;
-  a.p_vec8 = rows_vectorizable(p.probs, p.lead_ndim, p.S, 2, 8);
-  a.p_vec4 = rows_vectorizable(p.probs, p.lead_ndim, p.S, 2, 4);
-  a.p_vec2 = rows_vectorizable(p.probs, p.lead_ndim, p.S, 2, 2);
-  a.mask_vec16 = p.mask_is_bool && rows_vectorizable(p.mask, p.lead_ndim, p.S, 1, 16);
-  a.p_tma = make_map(&pm, p, p.probs, p.L, p.S, 64, a.p);
-  if (!a.p_tma) std::memset(&pm, 0, sizeof(pm));  // the copy kernels take the map unused
-  const PlanShape ps = plan_shape(p);
-  if (mask == MaskKind::Same || mask == MaskKind::Float32) {
-    // A float mask's kernel reads the plan from its first tile on: decline before anything is
-    // launched without one (no workspace, or no key: S = 0), or where the kernel's 32-bit plan
-    // offsets would not reach (a plan of 8 GB, never in practice).
-    if (plan == nullptr || ps.total_words() <= 0 || ps.total_words() > INT32_MAX) return false;
+void forward_for(const DevProblem& p, const ForwardPrepared& f, uint32_t* plan, cudaStream_t stream) {
+  Args a = f.a;
+  if (f.mask == MaskKind::Same || f.mask == MaskKind::Float32) {
+    const PlanShape ps = plan_shape(p);
     const int64_t items = ps.leads * ps.groups * ((p.S + kBN - 1) / kBN);
     const int64_t blocks = std::min<int64_t>((items + 3) / 4, int64_t(1) << 20);
-    if (mask == MaskKind::Same)
+    if (f.mask == MaskKind::Same)
       build_mask_plan<T, MaskKind::Same><<<grid_x(blocks, "sm90 mask plan"), 128, 0, stream>>>(p, plan, ps.groups, ps.words, items);
     else
       build_mask_plan<T, MaskKind::Float32><<<grid_x(blocks, "sm90 mask plan"), 128, 0, stream>>>(p, plan, ps.groups, ps.words, items);
@@ -135,9 +133,8 @@ bool forward_for(const DevProblem& p, uint32_t* plan, cudaStream_t stream) {
     a.plan_groups = ps.groups;
     a.plan_words = ps.words;
   }
-  if (a.p_tma) launch_for_head<false, false, T>(q, k, v, pm, p, a, StatsArgs{}, mask, stream);
-  else launch_for_head<false, true, T>(q, k, v, pm, p, a, StatsArgs{}, mask, stream);
-  return true;
+  if (a.p_tma) launch_for_head<false, false, T>(f.q, f.k, f.v, f.pm, p, a, StatsArgs{}, f.mask, stream);
+  else launch_for_head<false, true, T>(f.q, f.k, f.v, f.pm, p, a, StatsArgs{}, f.mask, stream);
 }
 
 // Lead indices per statistics launch: the column sums' partial rows (and flags) of one launch
@@ -149,16 +146,8 @@ int64_t stats_leads_per_launch(const DevProblem& p) {
 }
 
 template <typename T>
-bool stats_for(const DevProblem& p, const StatsTargets& t, float* workspace, cudaStream_t stream) {
-  CUtensorMap q, k, v, unused;
-  Args a;
-  MaskKind mask;
-  if (!common_args(p, q, k, v, a, mask)) return false;
-  a.p_tma = false;
-  a.p_vec8 = false;
-  a.p_vec4 = false;
-  a.p_vec2 = false;
-  std::memset(&unused, 0, sizeof(unused));
+void stats_for(const DevProblem& p, const ForwardPrepared& f, const StatsTargets& t, float* workspace, cudaStream_t stream) {
+  Args a = f.a;
   StatsArgs st;
   st.ent = t.entropy;
   st.win = t.rows;
@@ -175,7 +164,7 @@ bool stats_for(const DevProblem& p, const StatsTargets& t, float* workspace, cud
       st.col_nan = workspace + a.leads * 2 * tiles * p.S;
       check_cuda(cudaMemsetAsync(st.col_nan, 0, sizeof(float) * a.leads * 2 * tiles, stream), "clearing the NaN flags");
     }
-    launch_for_head<true, false, T>(q, k, v, unused, p, a, st, mask, stream);
+    launch_for_head<true, false, T>(f.q, f.k, f.v, f.pm, p, a, st, f.mask, stream);
     if (cols) {
       const int64_t blocks = std::min<int64_t>((a.leads * p.S + 255) / 256, 65535);
       stats_columns<<<grid_x(blocks, "sm90 column sums"), 256, 0, stream>>>(st.col_part, st.col_nan, p, t.col_sum, lead0,
@@ -183,75 +172,105 @@ bool stats_for(const DevProblem& p, const StatsTargets& t, float* workspace, cud
       check_launch("sm90 column sums");
     }
   }
-  return true;
 }
 
-// What both kernels need of the inputs and of O and lse.
-bool inputs_apply(const DevProblem& p) {
-  if (p.q.dtype != DType::Float16 && p.q.dtype != DType::BFloat16) return false;
-  if (p.dropout != Dropout::None) return false;
-  if (p.E <= 0 || p.Ev <= 0 || p.E > 128 || p.Ev > 128 || padded_head(p.E) != padded_head(p.Ev)) return false;
-  if (p.E % 8 != 0 || p.Ev % 8 != 0) return false;
+// Why neither kernel takes the inputs, O or lse; nullptr when both could.
+const char* inputs_decline(const DevProblem& p) {
+  if (!device_supported())
+    return "not a Hopper GPU (compute capability 9.0), or turned off by SDPA_MATH_SM90=0";
+  if (p.q.dtype != DType::Float16 && p.q.dtype != DType::BFloat16) return "inputs not float16 or bfloat16";
+  if (p.dropout != Dropout::None) return "dropout";
+  if (p.E <= 0 || p.Ev <= 0 || p.E > 128 || p.Ev > 128 || padded_head(p.E) != padded_head(p.Ev))
+    return "head sizes not both in 1..64 or both in 65..128";
+  if (p.E % 8 != 0 || p.Ev % 8 != 0) return "a head size not a multiple of 8";
   // O in the inputs' dtype with rows that take 4-byte pair stores, lse in fp32 (as the binding
   // allocates them).
-  if (p.out.dtype != p.q.dtype || p.lse.dtype != DType::Float32) return false;
-  if (!rows_vectorizable(p.out, p.lead_ndim, p.Ev, 2, 2)) return false;
+  if (p.out.dtype != p.q.dtype || p.lse.dtype != DType::Float32) return "O not in the inputs' dtype or lse not float32";
+  if (!rows_vectorizable(p.out, p.lead_ndim, p.Ev, 2, 2)) return "O's rows do not take 4-byte stores";
   // A mask is read a pair of keys at a time.
+  MaskKind kind;
+  if (!mask_kind(p, kind)) return "a float mask neither float32 nor the inputs' dtype";
   if (p.mask.data != nullptr) {
     const int bytes = p.mask_is_bool ? 1 : p.mask.dtype == DType::Float32 ? 4 : 2;
-    if (!rows_vectorizable(p.mask, p.lead_ndim, p.S, bytes, 2)) return false;
+    if (!rows_vectorizable(p.mask, p.lead_ndim, p.S, bytes, 2))
+      return "mask rows not read a pair of keys at a time (unit key stride, even row strides and key count)";
   }
-  return p.L > 0 && p.L <= 2147483647LL && p.S <= 2147483647LL && device_supported();
+  if (p.L > 2147483647LL || p.S > 2147483647LL) return "L or S above 2^31";
+  return nullptr;
+}
+
+// Why TMA cannot address Q, K and V (the maps are encoded into f), or nullptr.
+const char* prepare_common(const DevProblem& p, ForwardPrepared& f) {
+  if (!common_args(p, f.q, f.k, f.v, f.a, f.mask))
+    return "the TMA unit cannot address q, k or v (unit column stride, 16-byte aligned base and strides, at most "
+           "three lead dims of their own)";
+  return nullptr;
 }
 
 }  // namespace
 }  // namespace fwd
 
-using fwd::Args;
-using fwd::common_args;
-using fwd::forward_for;
-using fwd::inputs_apply;
+using fwd::inputs_decline;
 using fwd::kBM;
 using fwd::kStatsWorkspaceFloats;
 using fwd::MaskKind;
-using fwd::mask_kind;
 using fwd::plan_shape;
+using fwd::prepare_common;
 using fwd::stats_for;
 using fwd::stats_leads_per_launch;
 
-bool forward_applies(const DevProblem& p) {
+const char* forward_declines(const DevProblem& p, std::shared_ptr<const ForwardPrepared>* prepared) {
+  if (const char* why = inputs_decline(p)) return why;
   // P in the inputs' dtype, unit column stride (rows of any length: an odd S takes the copy
   // kernels' pair and 2-byte stores).
-  return inputs_apply(p) && p.probs.dtype == p.q.dtype && rows_vectorizable(p.probs, p.lead_ndim, p.S, 2, 1);
+  if (p.probs.dtype != p.q.dtype) return "P not in the inputs' dtype";
+  if (!rows_vectorizable(p.probs, p.lead_ndim, p.S, 2, 1)) return "P without unit column stride";
+  // A float mask's kernel reads the plan from its first tile on: no plan without keys (S = 0),
+  // nor where the kernel's 32-bit plan offsets would not reach (a plan of 8 GB, never in practice).
+  const int64_t words = plan_shape(p).total_words();
+  if ((p.mask.data != nullptr && !p.mask_is_bool) && (words <= 0 || words > INT32_MAX))
+    return "a float mask and no keys, or a mask plan beyond 2^31 words";
+  if (p.L == 0) return "no query rows";
+  auto f = std::make_shared<ForwardPrepared>();
+  if (const char* why = prepare_common(p, *f)) return why;
+  fwd::Args& a = f->a;
+  a.p_vec8 = rows_vectorizable(p.probs, p.lead_ndim, p.S, 2, 8);
+  a.p_vec4 = rows_vectorizable(p.probs, p.lead_ndim, p.S, 2, 4);
+  a.p_vec2 = rows_vectorizable(p.probs, p.lead_ndim, p.S, 2, 2);
+  a.mask_vec16 = p.mask_is_bool && rows_vectorizable(p.mask, p.lead_ndim, p.S, 1, 16);
+  a.p_tma = make_map(&f->pm, p, p.probs, p.L, p.S, 64, a.p);
+  if (!a.p_tma) std::memset(&f->pm, 0, sizeof(f->pm));  // the copy kernels take the map unused
+  if (prepared) *prepared = std::move(f);
+  return nullptr;
 }
 
 int64_t forward_workspace_words(const DevProblem& p) { return plan_shape(p).total_words(); }
 
-bool forward(const DevProblem& p, uint32_t* workspace, cudaStream_t stream) {
-  if (p.q.dtype == DType::Float16) return forward_for<__half>(p, workspace, stream);
-  return forward_for<__nv_bfloat16>(p, workspace, stream);
+void forward(const DevProblem& p, const ForwardPrepared& f, uint32_t* workspace, cudaStream_t stream) {
+  if (p.q.dtype == DType::Float16) fwd::forward_for<__half>(p, f, workspace, stream);
+  else fwd::forward_for<__nv_bfloat16>(p, f, workspace, stream);
 }
 
-bool stats_conditions(const DevProblem& p, const StatsTargets& t) {
-  MaskKind mask;
-  if (!inputs_apply(p) || !mask_kind(p, mask)) return false;
+const char* stats_declines(const DevProblem& p, const StatsTargets& t, std::shared_ptr<const ForwardPrepared>* prepared) {
+  if (const char* why = inputs_decline(p)) return why;
+  if (p.L == 0) return "no query rows";
   // fp32 statistics; the window's rows as P's (inputs' dtype, pair stores).
-  if (t.col_sum.data != nullptr && t.col_sum.dtype != DType::Float32) return false;
-  if (t.entropy.data != nullptr && t.entropy.dtype != DType::Float32) return false;
+  if ((t.col_sum.data != nullptr && t.col_sum.dtype != DType::Float32) ||
+      (t.entropy.data != nullptr && t.entropy.dtype != DType::Float32))
+    return "statistics not float32";
   if (t.rows.data != nullptr && (t.rows.dtype != p.q.dtype || !rows_vectorizable(t.rows, p.lead_ndim, p.S, 2, 2)))
-    return false;
+    return "the window's rows not in the inputs' dtype with 4-byte aligned rows (an even key count)";
   // Launches split the heads, not a head's row tiles: one head's partial rows of column sums
   // (L x S / 16 bytes) must fit the workspace budget (L = S = 32K does not).
-  if (t.col_sum.data != nullptr && 2 * ((p.L + kBM - 1) / kBM) * (p.S + 1) > kStatsWorkspaceFloats) return false;
-  return true;
-}
-
-bool stats_applies(const DevProblem& p, const StatsTargets& t) {
-  if (!stats_conditions(p, t)) return false;
-  CUtensorMap q, k, v;  // TMA can address the inputs
-  Args a;
-  MaskKind mask;
-  return common_args(p, q, k, v, a, mask);
+  if (t.col_sum.data != nullptr && 2 * ((p.L + kBM - 1) / kBM) * (p.S + 1) > kStatsWorkspaceFloats)
+    return "one head's column-sum partials exceed the 64 MiB workspace (L x S above about 2^30)";
+  auto f = std::make_shared<ForwardPrepared>();
+  if (const char* why = prepare_common(p, *f)) return why;
+  f->a.p_tma = false;
+  f->a.p_vec8 = f->a.p_vec4 = f->a.p_vec2 = false;
+  std::memset(&f->pm, 0, sizeof(f->pm));
+  if (prepared) *prepared = std::move(f);
+  return nullptr;
 }
 
 int64_t stats_workspace_floats(const DevProblem& p, const StatsTargets& t) {
@@ -259,9 +278,10 @@ int64_t stats_workspace_floats(const DevProblem& p, const StatsTargets& t) {
   return stats_leads_per_launch(p) * 2 * ((p.L + kBM - 1) / kBM) * (p.S + 1);
 }
 
-bool forward_stats(const DevProblem& p, const StatsTargets& t, float* workspace, cudaStream_t stream) {
-  if (p.q.dtype == DType::Float16) return stats_for<__half>(p, t, workspace, stream);
-  return stats_for<__nv_bfloat16>(p, t, workspace, stream);
+void forward_stats(const DevProblem& p, const ForwardPrepared& f, const StatsTargets& t, float* workspace,
+                   cudaStream_t stream) {
+  if (p.q.dtype == DType::Float16) stats_for<__half>(p, f, t, workspace, stream);
+  else stats_for<__nv_bfloat16>(p, f, t, workspace, stream);
 }
 
 }  // namespace sdpa_math::cuda::sm90

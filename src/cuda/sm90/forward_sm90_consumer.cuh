@@ -231,7 +231,7 @@ SDPA_MATH_D void Consumer<T, D, MASK, STATS, P_COPY>::turn_end() {
 }
 
 // The mask's pairs for this thread's elements of the tile at key j0 (rows unit-stride and
-// pair-aligned: forward_applies). Rows past L read row 0's (their logits are never used), so a
+// pair-aligned: forward_declines). Rows past L read row 0's (their logits are never used), so a
 // clean tile's pairs are all loaded. A tile's pairs are loaded as soon as the last tile's are
 // used (to_logits), so they have that tile's softmax, the wait for K and the products to
 // arrive: loaded after the products were issued, their wait was a third of the stalls of a

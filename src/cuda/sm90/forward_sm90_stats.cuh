@@ -95,7 +95,7 @@ SDPA_MATH_D void Consumer<T, D, MASK, STATS, P_COPY>::stats_tile(const float (&s
       const float u0 = exp_from<kNatural>(s[4 * n + 2 * r], mul, m[r]);
       const float u1 = exp_from<kNatural>(s[4 * n + 2 * r + 1], mul, m[r]);
       u_frag[n / 2][(n & 1) * 2 + r] = pack2<T>(u0, u1);
-      const int jj = n * 8 + 2 * t;  // the window's rows are pair-aligned (stats_conditions): pairs never straddle S
+      const int jj = n * 8 + 2 * t;  // the window's rows are pair-aligned (stats_declines): pairs never straddle S
       if (p_row[r] != nullptr && (clean || jj < keys))
         *reinterpret_cast<uint32_t*>(p_row[r] + j0 + jj) = pack2<T>(u0 * inv_l[r], u1 * inv_l[r]);
       // P for the column sums: rows past L count 0 (clean tiles do not mask them; their
