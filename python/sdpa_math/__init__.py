@@ -4,11 +4,12 @@ import torch
 
 from . import _ops  # noqa: F401  (loads the compiled ops and registers autograd and fake kernels)
 from .api import attention, attention_with_lse
+from .explain import explain
 from .override import disable, enable, interceptions, is_enabled, override
 from . import stats  # noqa: F401  (sdpa_math.stats.attention_stats: statistics of P without holding it)
 
 __version__ = "0.1.0"
-__all__ = ["attention", "attention_with_lse", "enable", "disable", "override", "interceptions", "is_enabled",
+__all__ = ["attention", "attention_with_lse", "explain", "enable", "disable", "override", "interceptions", "is_enabled",
            "cpu_isa", "cpu_isas_available", "set_cpu_isa"]
 
 

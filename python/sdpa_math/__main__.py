@@ -1,4 +1,4 @@
-"""`python -m sdpa_math [COMMAND] [ARGS]`: demo (the default), bench, probe, info."""
+"""`python -m sdpa_math [COMMAND] [ARGS]`: demo (the default), bench, probe, info, explain."""
 import sys
 
 USAGE = """usage: python -m sdpa_math [COMMAND] [ARGS...]
@@ -8,6 +8,7 @@ commands:
   bench   the side-by-side benchmark (run), the statistics rows (stats) and the performance gate (gate)
   probe   re-check the contract's observed lines against the installed PyTorch
   info    what this build contains: versions, devices, kernels
+  explain which kernels run a problem (forward, backward, statistics) and why the others decline
 
 `python -m sdpa_math COMMAND --help` for a command's own arguments."""
 
@@ -50,6 +51,8 @@ def main(argv=None):
         from .probe import main as run
     elif command == "info":
         run = info
+    elif command == "explain":
+        from .explain import main as run
     else:
         print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2

@@ -229,6 +229,75 @@ bool forward_stats_has_kernel_op(const at::Tensor& q, const at::Tensor& k, const
   });
 }
 
+// The routes a forward, its backward and (asked for) the statistics of P would take
+// (sdpa_math::explain_*), with every output, saved tensor and gradient as this binding and its
+// autograd allocate them: contiguous, in the inputs' dtype (lse and statistics in float32,
+// float64 for float64 inputs). Nothing runs and nothing is allocated: the outputs are views of a
+// placeholder address, which only their layout is asked about. Returns one entry per path asked,
+// "op\tpath\twhy", each op's chosen kernel last with an empty why; sdpa_math.explain reads it.
+std::vector<std::string> explain_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    const std::optional<at::Tensor>& mask, double dropout_p, bool is_causal,
+                                    const std::optional<at::Tensor>& dropout_mask, std::optional<double> scale,
+                                    bool enable_gqa, bool grad_output, bool grad_probs, std::array<bool, 4> output_mask,
+                                    bool col_sum, bool row_entropy, int64_t rows_count) {
+  return checked([&] {
+    const at::OptionalDeviceGuard guard(at::device_of(q));
+    // Random dropout's seed only decides values, never the route.
+    std::optional<at::Tensor> rng;
+    if (dropout_p > 0.0 && !(dropout_mask && dropout_mask->defined())) rng = at::zeros({2}, at::kLong);
+    const sdpa_math::ForwardArgs a = forward_args(q, k, v, mask, dropout_p, is_causal, dropout_mask, scale, enable_gqa, rng);
+    const sdpa_math::ForwardShapes s = sdpa_math::forward_shapes(a);
+    void* const placeholder = reinterpret_cast<void*>(std::uintptr_t{256});
+    const sdpa_math::Device device = view_of(q).device;
+    const DType dt = to_dtype(q.scalar_type()), stat = dt == DType::Float64 ? DType::Float64 : DType::Float32;
+    auto fresh = [&](DType d, const sdpa_math::Shape& shape) { return sdpa_math::contiguous_view(placeholder, d, shape, device); };
+    auto shape_of = [](const at::Tensor& t) {
+      sdpa_math::Shape sh;
+      sh.ndim = static_cast<int>(t.dim());
+      for (int64_t d = 0; d < t.dim(); ++d) sh.dims[d] = t.size(d);
+      return sh;
+    };
+    const sdpa_math::Backend backend = backend_for(q);
+    std::vector<std::string> lines;
+    auto add = [&](const char* op, const sdpa_math::Route& r) {
+      for (const auto& d : r.declined) lines.push_back(std::string(op) + "\t" + d.path + "\t" + d.why);
+      lines.push_back(std::string(op) + "\t" + r.kernel + "\t");
+    };
+    const sdpa_math::ForwardOutputs fo{fresh(dt, s.output), fresh(dt, s.attn_probs), fresh(stat, s.logsumexp)};
+    add("forward", sdpa_math::explain_forward(backend, a, fo));
+    if (grad_output || grad_probs) {
+      sdpa_math::BackwardArgs b;
+      b.forward = a;
+      b.logsumexp = fo.logsumexp;
+      b.output = fo.output;
+      b.attn_probs = fo.attn_probs;
+      if (grad_output) b.grad_output = fresh(dt, s.output);
+      if (grad_probs) b.grad_probs = fresh(dt, s.attn_probs);
+      sdpa_math::BackwardOutputs bo;
+      if (output_mask[0]) bo.grad_query = fresh(dt, shape_of(q));
+      if (output_mask[1]) bo.grad_key = fresh(dt, shape_of(k));
+      if (output_mask[2]) bo.grad_value = fresh(dt, shape_of(v));
+      if (output_mask[3]) {
+        TORCH_CHECK(mask && mask->defined(), "grad_attn_mask was requested but there is no attn_mask");
+        bo.grad_attn_mask = fresh(to_dtype(mask->scalar_type()), shape_of(*mask));
+      }
+      add("backward", sdpa_math::explain_backward(backend, b, bo));
+    }
+    if (col_sum || row_entropy || rows_count > 0) {
+      TORCH_CHECK(dropout_p == 0.0, "explain: the statistics of P are those of the dropout-free map; dropout_p must be 0");
+      sdpa_math::Shape cols = s.logsumexp, window = s.attn_probs;
+      cols.dims[cols.ndim - 1] = s.attn_probs.dims[s.attn_probs.ndim - 1];
+      window.dims[window.ndim - 2] = rows_count;
+      sdpa_math::StatsOutputs so{fo.output, fo.logsumexp, std::nullopt, std::nullopt, std::nullopt, 0, 1};
+      if (col_sum) so.col_sum = fresh(stat, cols);
+      if (row_entropy) so.row_entropy = fresh(stat, s.logsumexp);
+      if (rows_count > 0) so.rows = fresh(dt, window);
+      add("stats", sdpa_math::explain_stats(backend, a, so));
+    }
+    return lines;
+  });
+}
+
 // torch.use_deterministic_algorithms(True): the CUDA kernels add dQ (and dK and dV where heads
 // share key rows) with float atomics whose order changes from run to run, and the CPU threads add
 // what several tasks share — dK and dV of K/V rows that GQA or broadcasting gives to several
@@ -448,6 +517,10 @@ TORCH_LIBRARY(sdpa_math, m) {
   m.def("set_cpu_isa(str level) -> ()", &set_cpu_isa);
   m.def("cuda_blas_handles_created() -> int", &cuda_blas_handles_created);
   m.def(
+      "explain(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, float dropout_p, bool is_causal, "
+      "Tensor? dropout_mask, float? scale, bool enable_gqa, bool grad_output, bool grad_probs, bool[4] output_mask, "
+      "bool col_sum, bool row_entropy, int rows_count) -> str[]");
+  m.def(
       "forward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, float dropout_p, bool is_causal, "
       "Tensor? dropout_mask, float? scale, bool enable_gqa, Tensor? rng) "
       "-> (Tensor output, Tensor attn_probs, Tensor logsumexp)");
@@ -482,6 +555,7 @@ TORCH_LIBRARY(sdpa_math, m) {
 }
 
 TORCH_LIBRARY_IMPL(sdpa_math, CPU, m) {
+  m.impl("explain", &explain_op);
   m.impl("forward", &forward_kernel);
   m.impl("backward", &backward_kernel);
   m.impl("forward_stats", &forward_stats_kernel);
@@ -496,6 +570,7 @@ TORCH_LIBRARY_IMPL(sdpa_math, CPU, m) {
 
 #ifdef SDPA_MATH_WITH_CUDA
 TORCH_LIBRARY_IMPL(sdpa_math, CUDA, m) {
+  m.impl("explain", &explain_op);
   m.impl("forward", &forward_kernel);
   m.impl("backward", &backward_kernel);
   m.impl("forward_stats", &forward_stats_kernel);
@@ -515,6 +590,7 @@ void cuda_not_built(const c10::OperatorHandle& op, torch::jit::Stack*) {
               "compiler). Reinstall it with the CUDA toolkit's nvcc on PATH: pip install --no-build-isolation .");
 }
 TORCH_LIBRARY_IMPL(sdpa_math, CUDA, m) {
+  m.impl("explain", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
   m.impl("forward", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
   m.impl("backward", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
   m.impl("forward_stats", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
