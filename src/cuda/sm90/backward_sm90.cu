@@ -84,10 +84,15 @@ const char* prepare(const DevProblem& p, BackwardPrepared& f) {
   if (a.has_do && !make_map(&maps[3], p, p.grad_out, p.L, p.Ev, kBM, a.dout)) return tma;
   a.p_tma = make_map(&maps[4], p, p.probs, p.L, p.S, kBM, a.p) &&
             (!a.has_dp || make_map(&maps[5], p, p.grad_probs, p.L, p.S, kBM, a.dp));
-  // Otherwise pairs: rows of P and dP_ext must be 4-byte aligned.
-  if (!a.p_tma && (!rows_vectorizable(p.probs, p.lead_ndim, p.S, 2, 2) ||
-                   (a.has_dp && !rows_vectorizable(p.grad_probs, p.lead_ndim, p.S, 2, 2))))
+  // Otherwise the producer's copy warps take them: rows of P and dP_ext must be 4-byte aligned,
+  // and take 8-byte copies where both allow it.
+  auto rows_allow = [&](int w) {
+    return rows_vectorizable(p.probs, p.lead_ndim, p.S, 2, w) &&
+           (!a.has_dp || rows_vectorizable(p.grad_probs, p.lead_ndim, p.S, 2, w));
+  };
+  if (!a.p_tma && !rows_allow(2))
     return "P or dP neither addressable by the TMA unit nor with 4-byte aligned rows (an even key count)";
+  a.map_piece = rows_allow(4) ? 8 : 4;
   // Maps not used: never read; a copy keeps every parameter initialised.
   if (!a.has_do) maps[3] = maps[0];
   if (!a.p_tma) maps[4] = maps[0];
@@ -156,6 +161,8 @@ const char* backward_declines(const DevProblem& p, std::shared_ptr<const Backwar
     if (p.lead_shape[d] != 1 && p.v.dense_lead[d] == 0) broadcast = true;
   if (broadcast) return "q, k or v broadcast over lead dims other than GQA's group";
   if (p.L <= 0 || p.S <= 0 || p.L > 2147483647LL || p.S > 2147483647LL) return "L or S is 0 or above 2^31";
+  // The kernel's lead index math is 32-bit (map_coords32, lead_off32).
+  if (p.num_lead > 2147483647LL) return "more than 2^31 lead indices (batch x heads)";
   auto f = std::make_shared<BackwardPrepared>();
   if (const char* why = prepare(p, *f)) return why;
   if (prepared) *prepared = std::move(f);

@@ -135,6 +135,26 @@ SDPA_MATH_D void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 
 // Orders this thread's ordinary shared-memory writes before later async-proxy (TMA) reads.
 SDPA_MATH_D void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+// ---- element-wise async copies (cp.async) --------------------------------------------------------
+
+// N bytes (4 or 8) from global `src` to shared `dst`, zero-filled when !in (src is then not read,
+// but must still be a valid address). For rows TMA cannot address (not 16-byte aligned): many
+// threads copy a tile and each one's copies complete on an mbarrier (cp_async_arrive_on). No L2
+// hint: the copy warps' 40 registers have no room for the policy's two (ptxas spilled).
+template <int N>
+SDPA_MATH_D void cp_async(uint32_t dst, const void* src, bool in) {
+  static_assert(N == 4 || N == 8, "cp.async.ca copies 4, 8 or 16 bytes; 16-byte rows take TMA");
+  asm volatile("cp.async.ca.shared::cta.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src), "n"(N), "r"(in ? N : 0)
+               : "memory");
+}
+// An arrival on `bar` once every cp.async this thread issued before it has landed. .noinc: the
+// arrival counts toward the barrier's expected count (set at mbar_init), like an mbar_arrive.
+SDPA_MATH_D void cp_async_arrive_on(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+// Waits for every cp.async this thread issued (before it exits with copies in flight).
+SDPA_MATH_D void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
 SDPA_MATH_D void prefetch_tensor_map(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }

@@ -72,9 +72,11 @@ bool kl_backward_for(const DevProblem& p, const KlInputs& in, const BackwardTarg
   CUtensorMap maps[7] = {};
   const int64_t D = padded_head(p.E);
   if (!make_map(&maps[0], p, p.q, p.L, p.E, kBM, a.q) || !make_map(&maps[1], p, p.k, p.S, p.E, kBN, a.k)) return false;
-  // The reference through TMA where its rows allow, else the consumers load it as 4-byte pairs.
+  // The reference through TMA where its rows allow, else the copy warps take it (4-byte aligned
+  // rows; 8-byte copies where they allow it).
   a.p_tma = make_map(&maps[5], p, in.reference, p.L, p.S, kBM, a.dp);
   if (!a.p_tma && !rows_vectorizable(in.reference, p.lead_ndim, p.S, 2, 2)) return false;
+  a.map_piece = rows_vectorizable(in.reference, p.lead_ndim, p.S, 2, 4) ? 8 : 4;
   if (!a.p_tma) maps[5] = maps[0];
   maps[2] = maps[1];  // V, dO and P: not read in the KL form
   maps[3] = maps[4] = maps[0];
@@ -112,6 +114,8 @@ const char* kl_conditions_decline(const DevProblem& p, const KlInputs& in) {
     return "the lse, the reference's row sums or the KL's gradient are not float32";
   if (!qk_stored_per_head(p)) return "q or k is broadcast over batch dims or has a non-unit column stride";
   if (!(p.L > 0 && p.S > 0 && p.L <= 2147483647LL && p.S <= 2147483647LL)) return "L or S is 0 or above 2^31";
+  // The kernel's lead indices and the row vectors' rows (three per lead index) in 32-bit arithmetic.
+  if (3 * p.num_lead > 2147483647LL) return "more than 2^31 / 3 lead indices (batch x heads)";
   // kl_rows_prep's second grid dimension: a GQA group's query tiles (65,535 at most).
   if (p.k.head_group * ((p.L + kBM - 1) / kBM) > 65535) return "a GQA group has more than 65,535 query tiles";
   return nullptr;

@@ -24,6 +24,15 @@ SDPA_MATH_D void map_coords(const MapCoords& mc, int64_t lead, int (&c)[3]) {
   for (int k = 0; k < 3; ++k) c[k] = static_cast<int>((lead / mc.div[k]) % mc.mod[k] / mc.group[k]);
 }
 
+// map_coords for lead indices below 2^31 (kernels whose launchers check num_lead): 32-bit
+// divisions, where 64-bit ones are calls whose registers a producer limited to 40 cannot spare
+// (the sm90 backward's spilled).
+SDPA_MATH_D void map_coords32(const MapCoords& mc, int lead, int (&c)[3]) {
+  const auto u = [](int64_t x) { return static_cast<uint32_t>(x); };
+#pragma unroll
+  for (int k = 0; k < 3; ++k) c[k] = static_cast<int>(static_cast<uint32_t>(lead) / u(mc.div[k]) % u(mc.mod[k]) / u(mc.group[k]));
+}
+
 // A 5-D map of one 16-bit operand with `rows` x `cols` per lead index: {cols, rows, up to three
 // lead dims it does not broadcast over}, boxes of {64, box_rows} with the 128-byte swizzle, and
 // the coordinates' recipe in `mc`. False when TMA cannot address it (strides or base not 16-byte
