@@ -165,10 +165,10 @@ void backward_accumulated(const core::Problem& p, const DevProblem& dp, const Ba
   BackwardBuffers<Acc> g;
   // Accumulators exist (zeroed) for every requested gradient, even when no element adds to it.
   auto buffer_for = [&](const std::optional<TensorView>& v) -> Acc* {
-    return v ? scratch.template zeros<Acc>(std::max<int64_t>(v->numel(), 1)) : nullptr;
+    return v ? scratch.zeros<Acc>(std::max<int64_t>(v->numel(), 1)) : nullptr;
   };
   // Except dK and dV where the tensor-core kernel can store them itself: the gradient is
-  // contiguous in the inputs' dtype and one CTA holds the whole sum of each row -- no two heads
+  // contiguous in the inputs' dtype and one CTA holds the whole sum of each row — no two heads
   // share a key row (no GQA, no broadcast), or the decode kernel takes each whole GQA group in
   // one CTA.
   const bool tensor_core = path == BackwardPath::Decode || path == BackwardPath::Sm80;
@@ -183,7 +183,7 @@ void backward_accumulated(const core::Problem& p, const DevProblem& dp, const Ba
   if (stored_directly(out.grad_value, p.value, p.Ev)) g.dv_out = out.grad_value->data;
   else g.dv = buffer_for(out.grad_value);
   g.dmask = buffer_for(out.grad_attn_mask);
-  g.delta = scratch.template zeros<Acc>(std::max<int64_t>(p.num_lead * p.L, 1));
+  g.delta = scratch.zeros<Acc>(std::max<int64_t>(p.num_lead * p.L, 1));
   if constexpr (std::is_same_v<Acc, float>) {
     if (tensor_core) tensor_core_delta(dp, g.delta, stream);
     if (path == BackwardPath::Decode) decode_backward_run(dp, g, stream);

@@ -22,15 +22,19 @@ bool takes(std::vector<Declined>& declined, const char* path, const char* why) {
   return false;
 }
 
-// The backward's gradients the kernels that store them themselves can write: contiguous in the
-// inputs' dtype, as the binding allocates them.
-const char* gradients_not_direct(const core::Problem& p, const BackwardOutputs& out) {
+#ifdef SDPA_MATH_WITH_SM90
+// The Hopper backward stores the gradients itself, so they must be contiguous in the inputs'
+// dtype (as the binding allocates them) and no mask gradient may be asked for; then its own
+// question.
+const char* sm90_backward_declines(const core::Problem& p, const DevProblem& dp, const BackwardOutputs& out,
+                                   std::shared_ptr<const sm90::BackwardPrepared>* prepared) {
   auto direct = [&](const std::optional<TensorView>& v) { return !v || (v->dtype == p.dtype && v->is_contiguous()); };
   if (out.grad_attn_mask) return "a mask gradient is asked for";
   if (!direct(out.grad_query) || !direct(out.grad_key) || !direct(out.grad_value))
     return "a requested gradient not contiguous in the inputs' dtype";
-  return nullptr;
+  return sm90::backward_declines(dp, prepared);
 }
+#endif
 }  // namespace
 
 const char* path_name(ForwardPath p) {
@@ -85,20 +89,18 @@ ForwardPlan plan_forward(const DevProblem& dp) {
 BackwardPlan plan_backward(const core::Problem& p, const DevProblem& dp, const BackwardOutputs& out) {
   BackwardPlan plan;
   auto& d = plan.declined;
-  const char* direct = gradients_not_direct(p, out);
   if (dp.num_lead * dp.L == 0) plan.path = BackwardPath::Empty;
   else if (takes(d, "cublas-fp32", gemm_backward_declines(p, dp, out))) plan.path = BackwardPath::CublasFp32;
   // The decode and mma.sync backwards keep dQ and the mask gradient in fp32 accumulators: any
   // gradient layout.
   else if (takes(d, "decode", decode_backward_declines(dp))) plan.path = BackwardPath::Decode;
 #ifdef SDPA_MATH_WITH_SM90
-  else if (takes(d, "sm90", direct ? direct : sm90::backward_declines(dp, &plan.sm90))) plan.path = BackwardPath::Sm90;
+  else if (takes(d, "sm90", sm90_backward_declines(p, dp, out, &plan.sm90))) plan.path = BackwardPath::Sm90;
 #else
   else if (takes(d, "sm90", kNoSm90)) plan.path = BackwardPath::Sm90;
 #endif
   else if (takes(d, "sm80", tensor_core_backward_declines(dp))) plan.path = BackwardPath::Sm80;
   else plan.path = BackwardPath::Generic;
-  (void)direct;
   return plan;
 }
 
